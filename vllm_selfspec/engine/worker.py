@@ -1,0 +1,102 @@
+"""The vLLM glue: a worker class that gives vLLM's V1 model runner the selfspec hooks.
+
+The plugin sets ``parallel_config.worker_cls`` to ``SelfSpecWorker`` (resolved by qualname in every
+worker process: multiprocessing, TP ranks and Ray actors alike). After the platform worker builds
+its runner, the runner instance's class is swapped for a subclass with ``SelfSpecRunnerMixin``, so
+no second runner is constructed and the overrides apply to ``load_model`` and everything after.
+Hooks live on the runner, not on the worker, because Ray's compiled DAG calls the runner directly.
+"""
+from __future__ import annotations
+
+from .. import compat
+from .proposer import SelfSpecProposer
+
+_BaseWorker = compat.base_worker_class()
+
+
+class SelfSpecRunnerMixin:
+    """Overrides on vLLM's V1 GPUModelRunner / CPUModelRunner (vLLM 0.32 signatures)."""
+
+    def _selfspec(self) -> SelfSpecProposer | None:
+        drafter = getattr(self, "drafter", None)
+        return drafter if isinstance(drafter, SelfSpecProposer) else None
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+        drafter = self._selfspec()
+        if drafter is None:
+            return super().propose_draft_token_ids(
+                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+                common_attn_metadata, slot_mappings)
+        drafts = drafter.propose_selfspec(
+            self, scheduler_output, sampled_token_ids, sampling_metadata, aux_hidden_states,
+            spec_decode_metadata, common_attn_metadata)
+        # q of sampled drafts, read back by _get_spec_decode_draft_probs at the next verification
+        self._draft_probs, self._draft_prob_req_ids = drafter.take_draft_probs()
+        return drafts
+
+    def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
+        drafter = self._selfspec()
+        if drafter is not None and drafter.capture_layers:
+            drafter.executor.layout.set_capture_layers(drafter.capture_layers)
+            return
+        super()._setup_eagle3_aux_hidden_state_outputs()
+
+    def _on_request_state_removed(self, req_id, req_state) -> None:
+        super()._on_request_state_removed(req_id, req_state)
+        drafter = self._selfspec()
+        if drafter is not None:
+            drafter.on_request_finished(req_id)
+
+    def execute_model(self, *args, **kwargs):
+        drafter = self._selfspec()
+        if drafter is None:
+            return super().execute_model(*args, **kwargs)
+        with drafter.stats.timer("step"):
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        drafter = self._selfspec()
+        if drafter is None:
+            return super().sample_tokens(*args, **kwargs)
+        with drafter.stats.timer("step"):
+            return super().sample_tokens(*args, **kwargs)
+
+
+_SWAPPED: dict[type, type] = {}
+
+
+def swap_runner_class(runner) -> None:
+    cls = type(runner)
+    if issubclass(cls, SelfSpecRunnerMixin):
+        return
+    if cls not in _SWAPPED:
+        _SWAPPED[cls] = type("SelfSpec" + cls.__name__, (SelfSpecRunnerMixin, cls), {})
+    runner.__class__ = _SWAPPED[cls]
+
+
+class SelfSpecWorker(_BaseWorker):
+    def init_device(self):
+        super().init_device()
+        if getattr(self, "use_v2_model_runner", False):
+            raise RuntimeError("vllm-selfspec needs vLLM's V1 model runner "
+                               "(unset VLLM_USE_V2_MODEL_RUNNER)")
+        runner = self.model_runner
+        swap_runner_class(runner)
+        drafter = getattr(runner, "drafter", None)
+        if isinstance(drafter, SelfSpecProposer):
+            drafter.bind_runner(runner)
+            if drafter.capture_layers:  # must be set before load_model()
+                runner.use_aux_hidden_state_outputs = True
+
+    # offline API: llm.collective_rpc("selfspec_stats") (see vllm_selfspec.get_stats)
+    def selfspec_stats(self, reset: bool = False) -> dict:
+        drafter = getattr(self.model_runner, "drafter", None)
+        if not isinstance(drafter, SelfSpecProposer):
+            return {}
+        out = drafter.stats_dict()
+        if reset:
+            drafter.stats.reset()
+        return out

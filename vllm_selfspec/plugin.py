@@ -1,0 +1,155 @@
+"""The ``vllm.general_plugins`` entry point: declared, logged patches of vLLM 0.32 classes.
+
+``register()`` runs once in every vLLM process (front end, engine core/scheduler, workers). It
+applies three patches, each listed in ``PATCHES`` and logged once:
+
+1. ``EngineArgs.create_engine_config``: when the speculative config names a selfspec method,
+   validate it (clear errors before anything starts), turn it into vLLM's ``custom_class``
+   speculative config pointing at our proposer, store the selfspec options in
+   ``additional_config["selfspec"]`` and wire the selfspec worker class. The user passes only the
+   speculative config.
+2. ``EngineArgs.add_cli_args``: ``--speculative-config`` also takes a path to a JSON file.
+3. ``VllmConfig.num_lookahead_tokens``: reserve KV slots for the draft positions, as vLLM does
+   for EAGLE (without it, draft KV lands in the shared null block).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from . import compat
+from .config import SelfSpecConfig, SelfSpecConfigError, _read, is_selfspec
+
+logger = logging.getLogger("vllm_selfspec")
+
+PATCHES = (
+    "EngineArgs.create_engine_config: selfspec config -> custom_class + worker_cls + checks",
+    "EngineArgs.add_cli_args: --speculative-config accepts a JSON file path",
+    "VllmConfig.num_lookahead_tokens: k lookahead KV slots for selfspec drafts",
+)
+_REGISTERED = False
+
+
+def register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    compat.check_vllm_version()
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    _patch_create_engine_config(EngineArgs)
+    _patch_add_cli_args(EngineArgs)
+    _patch_num_lookahead_tokens(VllmConfig)
+    _REGISTERED = True
+    logger.debug("vllm-selfspec patches applied in pid %d: %s", os.getpid(), "; ".join(PATCHES))
+
+
+def is_selfspec_vllm_config(vllm_config) -> bool:
+    spec = vllm_config.speculative_config
+    return (spec is not None and spec.method == "custom_class"
+            and spec.model == compat.PROPOSER_CLS)
+
+
+# ---- 1. the config translation ----------------------------------------------------------------
+def translate_engine_args(args) -> SelfSpecConfig | None:
+    """Rewrite EngineArgs in place for a selfspec config; return the parsed config (or None)."""
+    spec = args.speculative_config
+    if spec is None:
+        return None
+    if not is_selfspec(spec):
+        if isinstance(spec, (str, os.PathLike)):
+            args.speculative_config = _read(spec)  # a file path for a vLLM method: read it
+        method = _read(args.speculative_config).get("method")
+        if method is not None and method not in compat.vllm_spec_methods():
+            from .policies import POLICIES
+
+            raise SelfSpecConfigError(
+                f"unknown speculative method {method!r}: selfspec methods are "
+                f"{sorted(POLICIES)}, vLLM's are {compat.vllm_spec_methods()}")
+        return None
+    cfg = SelfSpecConfig.load(spec)
+    if args.worker_cls not in ("auto", compat.WORKER_CLS):
+        raise SelfSpecConfigError(
+            f"selfspec wires its own worker class; remove worker_cls={args.worker_cls!r}")
+    if getattr(args, "pipeline_parallel_size", 1) > 1:
+        raise SelfSpecConfigError(
+            "selfspec does not support pipeline parallelism (the draft needs layers from every "
+            "stage); use tensor parallelism instead")
+    if getattr(args, "kv_transfer_config", None) is not None:
+        raise SelfSpecConfigError(
+            "selfspec cannot run with a KV connector (kv_transfer_config): draft steps would "
+            "be saved to the connector as if they were target KV")
+    args.worker_cls = compat.WORKER_CLS
+    args.speculative_config = {"method": "custom_class", "model": compat.PROPOSER_CLS,
+                               "num_speculative_tokens": cfg.num_speculative_tokens}
+    args.additional_config = {**(args.additional_config or {}), "selfspec": cfg.to_dict()}
+    return cfg
+
+
+def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> None:
+    """Checks that need the resolved model and parallel config (still before serving)."""
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise SelfSpecConfigError("selfspec does not support pipeline parallelism")
+    if vllm_config.kv_transfer_config is not None:
+        raise SelfSpecConfigError("selfspec cannot run with a KV connector")
+    cfg.validate_for_model(compat.model_info(vllm_config))
+
+
+def _patch_create_engine_config(EngineArgs) -> None:
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, "_selfspec", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        cfg = translate_engine_args(self)
+        vllm_config = orig(self, *args, **kwargs)
+        if cfg is not None:
+            check_vllm_config(vllm_config, cfg)
+            logger.info("vllm-selfspec: method %s, options %s", cfg.method, cfg.to_dict())
+        return vllm_config
+
+    create_engine_config._selfspec = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+# ---- 2. --speculative-config FILE ------------------------------------------------------------
+def _spec_config_arg(value: str):
+    try:
+        return _read(value)
+    except SelfSpecConfigError as e:
+        import argparse
+
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _patch_add_cli_args(EngineArgs) -> None:
+    orig = EngineArgs.__dict__["add_cli_args"].__func__
+    if getattr(orig, "_selfspec", False):
+        return
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = orig(parser, *args, **kwargs)
+        for action in parser._actions:
+            if action.dest == "speculative_config":
+                action.type = _spec_config_arg
+        return parser
+
+    add_cli_args._selfspec = True
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+
+# ---- 3. KV slots for the draft positions -------------------------------------------------------
+def _patch_num_lookahead_tokens(VllmConfig) -> None:
+    orig = VllmConfig.num_lookahead_tokens
+    if getattr(orig.fget, "_selfspec", False):
+        return
+
+    def num_lookahead_tokens(self) -> int:
+        if is_selfspec_vllm_config(self):
+            # the drafter writes KV for positions [N-1, N+k-2]: the same contract as EAGLE
+            return self.speculative_config.num_speculative_tokens
+        return orig.fget(self)
+
+    num_lookahead_tokens._selfspec = True
+    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=orig.__doc__)

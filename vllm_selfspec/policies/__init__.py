@@ -1,0 +1,12 @@
+"""Policies: one file per method. Each is pure tensor logic and never imports vLLM."""
+from __future__ import annotations
+
+from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .layerskip import LayerSkipPolicy
+
+#: method name -> policy class. Methods land here as their issues are resolved.
+POLICIES: dict[str, type[Policy]] = {
+    LayerSkipPolicy.name: LayerSkipPolicy,
+}
+
+__all__ = ["POLICIES", "DraftDecision", "Feedback", "ModelInfo", "Policy", "LayerSkipPolicy"]

@@ -1,0 +1,88 @@
+"""The policy interface: one method = one small policy file (pure Python/tensor logic, no vLLM).
+
+The engine calls, per request and per decode step:
+
+1. ``observe(state, feedback)`` after the target verified the request's last drafts, with what
+   happened (drafted/accepted counts) and, if the policy asked for them in ``capture_layers``,
+   the residual stream of the verified tokens after those layers plus the tokens they must predict;
+2. ``propose(state)`` for the next draft round: a ``LayerPlan``, a draft length and an optional
+   confidence floor under which drafting stops early.
+
+State is whatever ``new_state()`` returns; the engine creates it on a request's first step and
+drops it when vLLM removes the request.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..plans import LayerPlan
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a policy may know about the target model."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    architecture: str
+
+
+@dataclass
+class Feedback:
+    """What the last verification of one request showed."""
+
+    num_drafted: int  # draft tokens the target verified this step (0 on prefill / plain decode)
+    num_accepted: int  # of those, how many it accepted
+    context_len: int  # tokens in the request after this step (prompt + output)
+    # Captured hidden states (only when the policy sets capture_layers):
+    # hidden[j, t] = residual stream after capture_layers[j] layers at the t-th captured row,
+    # targets[t] = the token that row must predict (the verified next token). None otherwise.
+    hidden: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DraftDecision:
+    plan: LayerPlan
+    num_tokens: int  # draft length for this round; 0 = plain decode step
+    min_confidence: float | None = None  # stop drafting when the draft top-1 prob falls below
+
+
+class Policy(ABC):
+    """Base class of every self-speculative method's policy."""
+
+    #: method name as used in the config ("layerskip", "del", ...)
+    name: str = ""
+    #: option name -> default; the config validator rejects any other key
+    options: dict[str, Any] = {}
+
+    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
+        self.config = config
+        self.model = model
+        self.max_draft_tokens = max_draft_tokens
+
+    #: layer counts after which the engine captures the residual stream for observe()
+    capture_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
+        """Raise ValueError for option values impossible on this model (called before serving)."""
+
+    def new_state(self) -> Any:
+        return None
+
+    def observe(self, state: Any, feedback: Feedback) -> None:
+        """Update the request's statistics after a verification step."""
+
+    @abstractmethod
+    def propose(self, state: Any) -> DraftDecision:
+        """The plan and draft length of the request's next draft round."""
+
+    def describe(self) -> dict[str, Any]:
+        """Static facts for results and logs."""
+        return {"method": self.name}
