@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -21,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: method name -> speculative config (None: no speculation). Other selfspec methods get {"method": name}.
+#: method name -> speculative config (None: no speculation).
+#: Any other selfspec method (see policies.POLICIES) gets {"method": name}.
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "vanilla": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4,
@@ -39,7 +41,8 @@ SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="vanilla,ngram,layerskip",
-                        help="comma-separated methods; vanilla always runs (first) as the reference")
+                        help="comma-separated methods; vanilla always runs, first, "
+                             "as the reference")
     parser.add_argument("--prompts", default="humaneval",
                         help='"humaneval" or a JSONL file of {"prompt": ...} / {"messages": [...]}')
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -49,12 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     parser.add_argument("--method-config", default=None,
-                        help='JSON overrides per method, e.g. \'{"layerskip": {"exit_layer": 20}}\'')
+                        help="JSON overrides per method, "
+                             "e.g. '{\"layerskip\": {\"exit_layer\": 20}}'")
 
 
 def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
     """Ordered {method: speculative config}, vanilla first, overrides merged in."""
-    from .config import SelfSpecConfig
     from .policies import POLICIES
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
@@ -80,10 +83,20 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
             raise ValueError(f"--method-config[{name!r}]: expected a dict of options for a "
                              f"speculative method")
         configs[name].update(opts)
-    for cfg in configs.values():  # fail before any engine starts on a bad selfspec config
-        if cfg is not None and cfg["method"] in POLICIES:
-            SelfSpecConfig.load(cfg)
     return configs
+
+
+def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
+    """Fail before any engine starts on a selfspec config the model cannot serve."""
+    from .config import SelfSpecConfig
+    from .policies import POLICIES, ModelInfo
+
+    info = ModelInfo(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+                     vocab_size=hf_config.vocab_size,
+                     architecture=(getattr(hf_config, "architectures", None) or ["?"])[0])
+    for cfg in configs.values():
+        if cfg is not None and cfg["method"] in POLICIES:
+            SelfSpecConfig.load(cfg).validate_for_model(info)
 
 
 # ----------------------------------------------------------------------------- worker process
@@ -147,11 +160,16 @@ def _run_worker(name: str, spec: dict, log_path: Path, tmp: Path) -> dict:
                        .splitlines(keepends=True)[-30:])
         raise RuntimeError(f"method {name!r} failed (exit code {proc.returncode}); "
                            f"full log: {log_path}\n--- last lines ---\n{tail}")
-    return json.loads(result_path.read_text(encoding="utf-8"))
+    result = json.loads(result_path.read_text(encoding="utf-8"))
+    # vLLM's CPU backend pins the model worker's OpenMP threads; its log says to which cores
+    log_text = log_path.read_text(encoding="utf-8", errors="replace")
+    cores = re.search(r"core ids=\[([^\]]*)\]", log_text)
+    result["engine_omp_cores"] = f"[{cores.group(1)}]" if cores else None
+    return result
 
 
 # ----------------------------------------------------------------------------- summaries
-def summarize(name: str, cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
+def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
     from .policies import POLICIES
 
     tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
@@ -179,7 +197,8 @@ def summarize(name: str, cfg: dict | None, raw: dict, ref: dict, num_layers: int
         "speedup": tps / ref_tps,
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
         if spec and c["draft_tokens"] else None,
-        "mean_accepted_tokens": c["accepted_tokens"] / c["drafts"] if spec and c["drafts"] else None,
+        "mean_accepted_tokens": c["accepted_tokens"] / c["drafts"]
+        if spec and c["drafts"] else None,
         "tokens_per_layer": tpl,
         "parity": sum(same) / len(same) if same else None,
         "time_breakdown": breakdown,
@@ -199,8 +218,8 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
 
 
 def markdown_table(methods: dict[str, dict]) -> str:
-    lines = ["| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer | parity "
-             "| draft/verify/policy share |", "|" + "---|" * 8]
+    lines = ["| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
+             "| parity | draft/verify/policy share |", "|" + "---|" * 8]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
         shares = "/".join(_fmt(share.get(k), pct=True) for k in ("draft", "verify", "policy")) \
@@ -224,6 +243,7 @@ def plot_speedup(methods: dict[str, dict], path: Path) -> None:
     bars = ax.bar(names, values, color=["#999999"] + ["#4c72b0"] * (len(names) - 1))
     ax.bar_label(bars, labels=[f"{v:.2f}x" for v in values])
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_ylim(0, 1.15 * max(values + [1.0]))
     ax.set_ylabel("speedup over vanilla (tokens/s)")
     ax.set_title("Decoding speedup")
     fig.tight_layout()
@@ -250,7 +270,9 @@ def main(args: argparse.Namespace) -> int:
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
         model = resolve_model(args.model)
-        num_layers = AutoConfig.from_pretrained(model).num_hidden_layers
+        hf_config = AutoConfig.from_pretrained(model)
+        num_layers = hf_config.num_hidden_layers
+        check_selfspec_configs(configs, hf_config)
         prompts = load_prompts(args.prompts, args.num_prompts, model)
     except ValueError as e:  # includes SelfSpecConfigError
         print(f"error: {e}", file=sys.stderr)
@@ -271,22 +293,25 @@ def main(args: argparse.Namespace) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-    methods = {n: summarize(n, configs[n], raw[n], raw["vanilla"], num_layers) for n in configs}
-    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    methods = {n: summarize(configs[n], raw[n], raw["vanilla"], num_layers) for n in configs}
+    settings = {k: v for k, v in vars(args).items()  # a CLI may add e.g. a handler function
+                if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
     settings.update(model_path=model, num_layers=num_layers, num_prompts_loaded=len(prompts),
                     vllm_version=raw["vanilla"]["vllm_version"],
-                    torch_threads=raw["vanilla"]["torch_threads"], engine_args=ENGINE_ARGS,
-                    command=_command_line())
+                    torch_threads=raw["vanilla"]["torch_threads"],
+                    engine_omp_cores=raw["vanilla"]["engine_omp_cores"], engine_args=ENGINE_ARGS,
+                    command_line=_command_line())
     (out / "results.json").write_text(json.dumps({"settings": settings, "methods": methods},
                                                  indent=2), encoding="utf-8")
     table = markdown_table(methods)
     settings_line = (f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
                      f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
                      f"repeats {args.repeats}, vLLM {settings['vllm_version']}, "
-                     f"torch threads {settings['torch_threads']}, greedy")
+                     f"torch threads {settings['torch_threads']} (engine OMP cores "
+                     f"{settings['engine_omp_cores']}), greedy")
     (out / "results.md").write_text(
         f"# selfspec benchmark\n\n{settings_line}\n\n{table}\n\n"
-        f"Command:\n\n```\n{settings['command']}\n```\n", encoding="utf-8")
+        f"Command:\n\n```\n{settings['command_line']}\n```\n", encoding="utf-8")
     plot_speedup(methods, out / "speedup.png")
     print(f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png")
     return 0

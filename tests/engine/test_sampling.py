@@ -1,0 +1,97 @@
+"""Temperature > 0: self-spec keeps the target's output distribution (small-vocabulary case).
+
+A tiny random-weight Llama (vocab 32, peaked logits) samples N continuations of one prompt with
+vanilla vLLM and with a shallow-exit drafter (exit after 1 of 4 layers, 3 drafts; the draft
+distribution q is far from the target's). Per output position, a chi-square two-sample test
+compares the token histograms. Greedy requests run in the same batch and must stay token-identical.
+
+Negative control (shows the test can fail): the same run with the draft probabilities handed to
+vLLM's rejection sampler replaced by a uniform distribution — no longer the distribution the drafts
+were drawn from — must be detected as a different distribution.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+from selfspec_testing import engine
+from vllm import SamplingParams
+
+from vllm_selfspec.engine.proposer import SelfSpecProposer
+
+pytestmark = pytest.mark.engine
+VOCAB, N, MAX_TOKENS = 32, 1200, 4
+PROMPT = {"prompt_token_ids": [1, 5, 9, 2, 7]}
+SPEC = {"method": "layerskip", "exit_layer": 1, "num_speculative_tokens": 3}
+KW = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # peaked, position-dependent distributions
+        model.lm_head.weight.mul_(60.0)
+        model.model.embed_tokens.weight.mul_(30.0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _sample(llm) -> tuple[np.ndarray, list[list[int]]]:
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [PROMPT] * N + [{"prompt_token_ids": [3, i % VOCAB, 4]} for i in range(8)]
+    params = [sp] * N + [greedy] * 8
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sampled = np.array([o.outputs[0].token_ids for o in outs[:N]])
+    return sampled, [list(o.outputs[0].token_ids) for o in outs[N:]]
+
+
+def _min_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """Smallest chi-square p-value over output positions 1.. (position 0 comes from prefill)."""
+    ps = []
+    for pos in range(1, MAX_TOKENS):
+        table = np.stack([np.bincount(a[:, pos], minlength=VOCAB),
+                          np.bincount(b[:, pos], minlength=VOCAB)])
+        table = table[:, table.sum(0) > 0]
+        ps.append(chi2_contingency(table)[1])
+    return min(ps)
+
+
+@pytest.fixture(scope="module")
+def vanilla(tiny_model):
+    with engine(tiny_model, **KW) as llm:
+        return _sample(llm)
+
+
+def test_sampling_keeps_target_distribution(tiny_model, vanilla):
+    with engine(tiny_model, speculative_config=SPEC, **KW) as llm:
+        sampled, greedy = _sample(llm)
+    assert greedy == vanilla[1], "greedy requests in a sampled batch changed"
+    p = _min_pvalue(vanilla[0], sampled)
+    assert p > 1e-3, f"self-spec sampling distribution differs from vanilla (p={p:.2e})"
+
+
+def test_wrong_draft_probs_are_detected(tiny_model, vanilla, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # patch reaches the worker
+    orig = SelfSpecProposer.take_draft_probs
+
+    def uniform_probs(self):
+        probs, ids = orig(self)
+        if probs is not None:
+            probs = torch.full_like(probs, 1.0 / VOCAB)
+        return probs, ids
+
+    monkeypatch.setattr(SelfSpecProposer, "take_draft_probs", uniform_probs)
+    with engine(tiny_model, speculative_config=SPEC, **KW) as llm:
+        sampled, _ = _sample(llm)
+    p = _min_pvalue(vanilla[0], sampled)
+    assert p < 1e-6, f"a wrong draft distribution went undetected (p={p:.2e})"
