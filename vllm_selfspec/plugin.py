@@ -11,6 +11,12 @@ applies three patches, each listed in ``PATCHES`` and logged once:
 2. ``EngineArgs.add_cli_args``: ``--speculative-config`` also takes a path to a JSON file.
 3. ``VllmConfig.num_lookahead_tokens``: reserve KV slots for the draft positions, as vLLM does
    for EAGLE (without it, draft KV lands in the shared null block).
+4. CPU only, a vLLM 0.32 bug fix: ``rejection_sampler.expand_batch_to_tokens``. vLLM's C++ stand-in
+   for the Triton ``expand_kernel`` writes into an int64 *copy* of a float output
+   (``vllm/utils/cpu_triton_utils.py: _expand_kernel_impl``), so the per-token temperatures, top-k
+   and top-p of speculative sampling are uninitialised memory: every speculative method on CPU
+   (vLLM's own ngram included) then corrupts outputs of batches with temperature > 0 requests.
+   Replaced by a plain-PyTorch expansion with the same contract.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ PATCHES = (
     "EngineArgs.create_engine_config: selfspec config -> custom_class + worker_cls + checks",
     "EngineArgs.add_cli_args: --speculative-config accepts a JSON file path",
     "VllmConfig.num_lookahead_tokens: k lookahead KV slots for selfspec drafts",
+    "rejection_sampler.expand_batch_to_tokens (CPU only): fix vLLM 0.32's float expansion bug",
 )
 _REGISTERED = False
 
@@ -41,6 +48,7 @@ def register() -> None:
     _patch_create_engine_config(EngineArgs)
     _patch_add_cli_args(EngineArgs)
     _patch_num_lookahead_tokens(VllmConfig)
+    _patch_cpu_expand_batch_to_tokens()
     _REGISTERED = True
     logger.debug("vllm-selfspec patches applied in pid %d: %s", os.getpid(), "; ".join(PATCHES))
 
@@ -153,3 +161,28 @@ def _patch_num_lookahead_tokens(VllmConfig) -> None:
 
     num_lookahead_tokens._selfspec = True
     VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=orig.__doc__)
+
+
+# ---- 4. vLLM 0.32 CPU bug: expand_batch_to_tokens --------------------------------------------
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """[batch] -> [num_tokens], x[i] repeated for request i's tokens; x == replace_from -> replace_to.
+
+    Same contract as ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
+    x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), x)
+    return torch.repeat_interleave(x, counts.to(torch.long), output_size=num_tokens)
+
+
+def _patch_cpu_expand_batch_to_tokens() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample import rejection_sampler
+
+    if getattr(rejection_sampler.expand_batch_to_tokens, "_selfspec", False):
+        return
+    expand_batch_to_tokens._selfspec = True
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens

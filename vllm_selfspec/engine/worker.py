@@ -8,8 +8,6 @@ Hooks live on the runner, not on the worker, because Ray's compiled DAG calls th
 """
 from __future__ import annotations
 
-import torch
-
 from .. import compat
 from .proposer import SelfSpecProposer
 
@@ -38,19 +36,6 @@ class SelfSpecRunnerMixin:
         # q of sampled drafts, read back by _get_spec_decode_draft_probs at the next verification
         self._draft_probs, self._draft_prob_req_ids = drafter.take_draft_probs()
         return drafts
-
-    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
-        probs = super()._get_spec_decode_draft_probs(spec_decode_metadata)
-        if (probs is None and self._selfspec() is not None
-                and not self.input_batch.sampling_metadata.all_greedy):
-            # vLLM 0.32's CPU rejection kernel corrupts *greedy* rows of a mixed greedy/sampled
-            # batch when draft_probs is None (seen on greedy drafts verified next to fresh sampled
-            # requests). One-hot probabilities are the same rejection rule, handed explicitly.
-            ids = spec_decode_metadata.draft_token_ids.long()
-            probs = torch.zeros(ids.shape[0], self._selfspec().info.vocab_size,
-                                dtype=torch.float32, device=ids.device)
-            probs[torch.arange(ids.shape[0], device=ids.device), ids] = 1.0
-        return probs
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         drafter = self._selfspec()
