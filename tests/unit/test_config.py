@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError, is_selfspec, peek_method
+from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy, ModelInfo
+
+MODEL = ModelInfo(num_layers=30, hidden_size=576, vocab_size=49152,
+                  architecture="LlamaForCausalLM")
+
+
+def test_defaults_and_forms(tmp_path):
+    d = {"method": "layerskip", "exit_layer": 12}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))
+    for form in (d, json.dumps(d), str(path), path):
+        cfg = SelfSpecConfig.load(form)
+        assert cfg.method == "layerskip" and cfg.num_speculative_tokens == 4
+        assert cfg.options == {"exit_layer": 12, "skip_attn": [], "skip_mlp": []}
+    assert SelfSpecConfig.load(cfg.to_dict()) == cfg
+
+
+def test_detection():
+    assert is_selfspec({"method": "layerskip"})
+    assert not is_selfspec({"method": "ngram"})
+    assert peek_method('{"method": "eagle"}') == "eagle"
+    assert peek_method("/no/such/file") is None
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"method": "nope"}, "unknown selfspec method"),
+    ({"method": "layerskip", "gamma": 3}, "unknown option"),
+    ({"method": "layerskip", "num_speculative_tokens": 200}, "num_speculative_tokens"),
+    ({"method": "layerskip", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "layerskip", "capture_tokens": 0}, "capture_tokens"),
+    ("{not json", "not valid JSON"),
+])
+def test_errors(raw, match):
+    with pytest.raises(SelfSpecConfigError, match=match):
+        SelfSpecConfig.load(raw)
+
+
+def test_model_checks():
+    SelfSpecConfig.load({"method": "layerskip", "exit_layer": 30}).validate_for_model(MODEL)
+    with pytest.raises(SelfSpecConfigError, match=r"\[1, 30\]"):
+        SelfSpecConfig.load({"method": "layerskip", "exit_layer": 31}).validate_for_model(MODEL)
+    other = ModelInfo(4, 64, 100, "GPT2LMHeadModel")
+    with pytest.raises(SelfSpecConfigError, match="architecture"):
+        SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2}).validate_for_model(other)
+
+
+def test_layerskip_policy_is_static():
+    cfg = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 9,
+                               "num_speculative_tokens": 3})
+    policy = cfg.make_policy(MODEL)
+    assert isinstance(policy, LayerSkipPolicy)
+    d = policy.propose(policy.new_state())
+    assert isinstance(d, DraftDecision) and d.num_tokens == 3 and d.min_confidence is None
+    assert d.plan.exit_layer == 9 and d.plan.layer_cost == 9
+
+
+def test_layerskip_skip_set_defaults_to_full_depth():
+    cfg = SelfSpecConfig.load({"method": "layerskip", "skip_attn": [1], "skip_mlp": [2, 3]})
+    plan = cfg.make_policy(MODEL).propose(None).plan
+    assert plan.exit_layer == 30 and plan.num_sublayers == 60 - 3
