@@ -52,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     parser.add_argument("--method-config", default=None,
-                        help="JSON overrides per method, "
-                             "e.g. '{\"layerskip\": {\"exit_layer\": 20}}'")
+                        help="JSON overrides per method, e.g. '{\"layerskip\": {\"exit_layer\": "
+                             "20}}'; a label with a \"method\" key defines a variant: --methods "
+                             "ls20 --method-config '{\"ls20\": {\"method\": \"layerskip\", "
+                             "\"exit_layer\": 20}}'")
 
 
 def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
@@ -62,20 +64,24 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
     known = sorted(set(METHOD_DEFAULTS) | set(POLICIES))
-    configs: dict[str, dict | None] = {}
-    for name in dict.fromkeys(names):
-        if name in METHOD_DEFAULTS:
-            configs[name] = None if METHOD_DEFAULTS[name] is None else dict(METHOD_DEFAULTS[name])
-        elif name in POLICIES:
-            configs[name] = {"method": name}
-        else:
-            raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known)}")
     try:
         extra = json.loads(overrides) if overrides else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"--method-config is not valid JSON: {e}") from e
     if not isinstance(extra, dict):
         raise ValueError("--method-config must be a JSON object {method: {option: value}}")
+    configs: dict[str, dict | None] = {}
+    for name in dict.fromkeys(names):
+        # a label with its own "method" in --method-config is a variant: ls20 -> layerskip E=20
+        base = extra.get(name, {}).get("method", name) if isinstance(extra.get(name), dict) \
+            else name
+        if base in METHOD_DEFAULTS:
+            configs[name] = None if METHOD_DEFAULTS[base] is None else dict(METHOD_DEFAULTS[base])
+        elif base in POLICIES:
+            configs[name] = {"method": base}
+        else:
+            raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known)} "
+                             f"(or a label defined in --method-config with a \"method\" key)")
     for name, opts in extra.items():
         if name not in configs:
             raise ValueError(f"--method-config names {name!r}, which is not in --methods")
