@@ -12,6 +12,7 @@ setup(
     # "triton_kernels" package would shadow OpenAI's triton_kernels, which vLLM imports for MXFP4 MoE.
     packages=find_packages(include=["vllm_selfspec", "vllm_selfspec.*"]) + ["vllm_selfspec.kernels"],
     package_dir={"vllm_selfspec.kernels": "triton_kernels"},
+    package_data={"vllm_selfspec": ["data/*.jsonl"]},
     install_requires=[
         "numpy",
         "tqdm",

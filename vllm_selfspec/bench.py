@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated methods; vanilla always runs, first, "
                              "as the reference")
     parser.add_argument("--prompts", default="humaneval",
-                        help='"humaneval" or a JSONL file of {"prompt": ...} / {"messages": [...]}')
+                        help='"humaneval", "chat" (built-in chat set) or a JSONL file of '
+                             '{"prompt": ...} / {"messages": [...]} lines')
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="the engine's max_num_seqs")
@@ -225,10 +226,11 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
 
 def markdown_table(methods: dict[str, dict]) -> str:
     lines = ["| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
-             "| parity | draft/verify/policy share |", "|" + "---|" * 8]
+             "| parity | draft/verify/policy/shadow share |", "|" + "---|" * 8]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
-        shares = "/".join(_fmt(share.get(k), pct=True) for k in ("draft", "verify", "policy")) \
+        shares = "/".join(_fmt(share.get(k), pct=True) for k in ("draft", "verify", "policy",
+                                                                  "shadow")) \
             if share else "–"
         lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
                      f"| {_fmt(m['acceptance_rate'], pct=True)} "

@@ -1,4 +1,4 @@
-"""Benchmark prompts: the HumanEval prompts, or a JSONL file of prompts / chat messages."""
+"""Benchmark prompts: HumanEval, the built-in chat set, or a JSONL file of prompts / chat messages."""
 from __future__ import annotations
 
 import gzip
@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 HUMANEVAL_FILE = "HumanEval.jsonl.gz"
+#: 24 everyday chat requests written for this project (chat-templated with the model's tokenizer)
+CHAT_FILE = Path(__file__).parent / "data" / "chat.jsonl"
 
 
 def humaneval_path() -> Path:
@@ -62,11 +64,14 @@ def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]
 
 
 def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
-    """``source`` "humaneval" -> the first ``num_prompts`` HumanEval prompts; otherwise a JSONL
+    """``source`` "humaneval" -> the first ``num_prompts`` HumanEval prompts; "chat" -> the built-in
+    chat set (``data/chat.jsonl``); otherwise a JSONL
     file whose lines are ``{"prompt": str}`` or ``{"messages": [...]}`` (chat-templated with the
     tokenizer at ``tokenizer_path``). ``num_prompts`` None means all of them."""
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     if source == "humaneval":
         return _humaneval(num_prompts)
+    if source == "chat":
+        source = str(CHAT_FILE)
     return _jsonl(source, num_prompts, tokenizer_path)

@@ -30,7 +30,7 @@ def test_vllm_spec_methods_known():
 def test_stats_tokens_per_layer():
     s = EngineStats()
     s.generated_tokens, s.draft_layers, s.target_layers = 10, 20.0, 60.0
-    s.seconds.update(draft=1.0, policy=0.5, capture=0.0, step=4.0)
+    s.seconds.update(draft=1.0, policy=0.5, shadow=0.0, step=4.0)
     d = s.as_dict()
     assert d["tokens_per_layer"] == 10 / 80
     assert d["time_s"]["verify"] == 2.5

@@ -92,7 +92,7 @@ class SelfSpecProposer:
 
         captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.capture_layers and aux_hidden_states is not None:
-            with st.timer("capture"):
+            with st.timer("shadow"):
                 captured = self._capture(ib, sampled_token_ids, scheduled, aux_hidden_states,
                                          common_attn_metadata)
 

@@ -1,4 +1,7 @@
-"""Engine counters and the per-method time breakdown (draft / verify / policy / capture)."""
+"""Engine counters and the per-method time breakdown (draft / verify / policy / shadow).
+
+"shadow" is the hidden-state capture of verified tokens (and, for methods that project it, the
+shadow-token work); "verify" is the rest of the runner step: the target forward and sampling."""
 from __future__ import annotations
 
 import time
@@ -7,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-TIME_KEYS = ("draft", "policy", "capture", "step")
+TIME_KEYS = ("draft", "policy", "shadow", "step")
 
 
 @dataclass
@@ -37,7 +40,7 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         s = self.seconds
-        other = s["draft"] + s["policy"] + s["capture"]
+        other = s["draft"] + s["policy"] + s["shadow"]
         layers = self.draft_layers + self.target_layers
         return {
             "steps": self.steps,
@@ -54,7 +57,7 @@ class EngineStats:
             "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
             "plan_hist": dict(self.plan_hist.most_common()),
             # seconds inside the runner: verify = the target step minus the selfspec parts
-            "time_s": {"draft": s["draft"], "policy": s["policy"], "capture": s["capture"],
+            "time_s": {"draft": s["draft"], "policy": s["policy"], "shadow": s["shadow"],
                        "verify": max(0.0, s["step"] - other), "total": s["step"]},
         }
 

