@@ -1,0 +1,38 @@
+"""The benchmark harness end to end on a tiny run (speed is measured by the harness, never here)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_selfspec.cli import main
+
+pytestmark = pytest.mark.engine
+
+
+def test_bench_writes_results(model_path, tmp_path):
+    out = tmp_path / "bench"
+    rc = main(["bench", "--methods", "vanilla,full", "--method-config",
+               '{"full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 2}}',
+               "--prompts", "chat", "--num-prompts", "2", "--max-tokens", "12",
+               "--batch-size", "2", "--repeats", "1", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    van, full = res["methods"]["vanilla"], res["methods"]["full"]
+    assert van["speedup"] == 1.0 and van["tokens_per_layer"] == pytest.approx(1 / 30)
+    assert full["parity"] == 1.0 and full["acceptance_rate"] == 1.0
+    assert full["tokens_per_s"] > 0 and full["time_breakdown"]["seconds"]["draft"] > 0
+    assert "| full |" in (out / "results.md").read_text()
+    assert (out / "speedup.png").stat().st_size > 0
+
+
+def test_bench_rejects_bad_config_before_running(tmp_path, capsys):
+    rc = main(["bench", "--methods", "layerskip", "--method-config",
+               '{"layerskip": {"exit_layer": 99}}', "--out", str(tmp_path)])
+    assert rc == 2
+    assert "exit_layer must be an integer in [1, 30]" in capsys.readouterr().err
+
+
+def test_prepare_model_prints_the_path(model_path, capsys):
+    assert main(["prepare-model"]) == 0
+    assert capsys.readouterr().out.strip() == model_path
