@@ -28,7 +28,8 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     "vanilla": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4,
               "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    "layerskip": {"method": "layerskip", "exit_layer": 12, "num_speculative_tokens": 3},
+    # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md)
+    "layerskip": {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 1},
 }
 #: engine settings shared by every method
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=2048,
