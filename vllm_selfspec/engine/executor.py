@@ -8,8 +8,6 @@ is not). Must run inside vLLM's forward context (attention finds its KV cache an
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..compat import LlamaLayout
@@ -26,14 +24,14 @@ class PlanExecutor:
     def __init__(self, model) -> None:
         self.layout = LlamaLayout(model)
         self.num_layers = len(self.layout.layers)
-        #: extra heads by name: hidden (after final norm) -> logits. Filled by the trained-heads
-        #: loader; "lm_head" is always the model's own.
-        self.heads: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-            LM_HEAD: self.layout.compute_logits}
+        #: trained exit heads by name (``plan.head``): modules with ``transform(x) -> x'`` on the
+        #: pre-norm residual stream; the model's own final norm + LM head then give the logits.
+        #: ``"lm_head"`` (no transform) is always there.
+        self.heads: dict[str, torch.nn.Module] = {}
 
-    def hidden(self, plan: LayerPlan, input_ids: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden state after the plan's last layer, [num_tokens, hidden]."""
+    def run(self, plan: LayerPlan, input_ids: torch.Tensor,
+            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(pending, residual)`` after the plan's last layer (the stream is their sum)."""
         lay = self.layout
         h = lay.embed(input_ids)
         res = None
@@ -49,11 +47,15 @@ class PlanExecutor:
             if run_mlp:
                 h, res = _norm(layer.post_attention_layernorm, h, res)
                 h = layer.mlp(h)
-        h, _ = _norm(lay.norm, h, res)
-        return h
+        return h, res
 
-    def logits(self, plan: LayerPlan, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, plan: LayerPlan, h: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the plan's head. The LM-head path uses the model's fused final add+RMSNorm,
+        bit-identical to the target's own last step."""
+        if plan.head == LM_HEAD:
+            return self.layout.compute_logits(_norm(self.layout.norm, h, res)[0])
         head = self.heads.get(plan.head)
         if head is None:
             raise KeyError(f"plan asks for head {plan.head!r}, loaded: {sorted(self.heads)}")
-        return head(hidden)
+        x = h if res is None else h + res
+        return self.layout.compute_logits(self.layout.norm(head.transform(x)))

@@ -198,8 +198,8 @@ class SelfSpecProposer:
             set_forward_context = compat.runner_internals()[0]
             with set_forward_context(md, self.vllm_config, num_tokens=len(alive),
                                      slot_mapping=slot_map):
-                hidden = self.executor.hidden(plan, tok[J].to(dev), pos)
-            logits = self.executor.logits(plan, hidden).float()
+                h, res = self.executor.run(plan, tok[J].to(dev), pos)
+            logits = self.executor.logits(plan, h, res).float()
             self.stats.draft_layers += plan.layer_cost * len(alive)
             nxt = logits.argmax(dim=-1)
             if temps is not None:
