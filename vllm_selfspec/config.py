@@ -91,7 +91,7 @@ class SelfSpecConfig:
             raise SelfSpecConfigError(
                 f"unknown option(s) {unknown} for selfspec method {method!r}; "
                 f"allowed: {sorted(allowed)}")
-        merged = {**COMMON_OPTIONS, **policy.options, **raw}
+        merged = {**COMMON_OPTIONS, **policy.common_defaults, **policy.options, **raw}
         k = merged.pop("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SelfSpecConfigError(

@@ -25,6 +25,7 @@ from ..config import SelfSpecConfig
 from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
 from .executor import PlanExecutor
+from .shadow import ShadowProjector
 from .stats import EngineStats
 
 
@@ -66,6 +67,9 @@ class SelfSpecProposer:
 
     def load_model(self, target_model) -> None:  # called by the runner's load_model
         self.executor = PlanExecutor(target_model)
+        self.shadow = ShadowProjector(self.executor, self.info.vocab_size,
+                                      self.vllm_config.parallel_config.tensor_parallel_size)
+        self.shadow_heads = [self.policy.head_for_layer(layer) for layer in self.capture_layers]
         if self.executor.num_layers != self.info.num_layers:
             raise RuntimeError(f"model has {self.executor.num_layers} layers, config says "
                                f"{self.info.num_layers}")
@@ -90,22 +94,28 @@ class SelfSpecProposer:
         st = self.stats
         st.steps += 1
 
-        captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        L = self.info.num_layers
+        entries: list[tuple[int, str, Any]] = []  # (batch row, request id, policy state)
+        for i, req_id in enumerate(req_ids):
+            if not sampled_token_ids[i]:  # a prefill chunk that sampled nothing, or discarded
+                continue
+            state = self.states.get(req_id)
+            if state is None:
+                state = self.states[req_id] = self.policy.new_state()
+            entries.append((i, req_id, state))
+
+        captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None:
             with st.timer("shadow"):
-                captured = self._capture(ib, sampled_token_ids, scheduled, aux_hidden_states,
-                                         common_attn_metadata)
+                rows = [i for i, _, state in entries
+                        if not self.policy.shadow or self.policy.wants_shadow(state)]
+                captured = self._capture(ib, rows, sampled_token_ids, scheduled,
+                                         aux_hidden_states, common_attn_metadata)
 
-        L = self.info.num_layers
         active: list[tuple[int, DraftDecision, int]] = []
         with st.timer("policy"):
-            for i, req_id in enumerate(req_ids):
+            for i, req_id, state in entries:
                 sampled = sampled_token_ids[i]
-                if not sampled:  # a prefill chunk that sampled nothing, or a discarded row
-                    continue
-                state = self.states.get(req_id)
-                if state is None:
-                    state = self.states[req_id] = self.policy.new_state()
                 n_drafted = len(scheduled.get(req_id, ()))
                 n_accepted = len(sampled) - 1 if n_drafted else 0
                 st.generated_tokens += len(sampled)
@@ -114,8 +124,10 @@ class SelfSpecProposer:
                 st.drafted_tokens += n_drafted
                 st.accepted_tokens += n_accepted
                 n = int(num_tokens[i])
-                hidden, targets = captured.get(i, (None, None))
-                self.policy.observe(state, Feedback(n_drafted, n_accepted, n, hidden, targets))
+                fb = Feedback(n_drafted, n_accepted, n)
+                if i in captured:
+                    fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
+                self.policy.observe(state, fb)
                 decision = self.policy.propose(state)
                 # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
                 g = min(decision.num_tokens, self.k, self.max_model_len - n)
@@ -128,30 +140,35 @@ class SelfSpecProposer:
         return drafts
 
     # ---- feedback: hidden states of the verified tokens ---------------------------------------
-    def _capture(self, ib, sampled_token_ids, scheduled, aux, common_attn_metadata):
-        """Per request row i: (hidden [n_layers, m, d], targets [m]) for the last m verified rows."""
+    def _capture(self, ib, batch_rows, sampled_token_ids, scheduled, aux, common_attn_metadata):
+        """Per batch row i: (hidden [n_layers, m, d], targets [m], shadow tokens, shadow probs)
+        for its last m = min(verified rows, capture_tokens) verified rows. Policies with
+        ``shadow`` get the projected tokens and no hidden states (and vice versa)."""
         qsl = common_attn_metadata.query_start_loc_cpu.tolist()
         rows: list[int] = []
-        spans: list[tuple[int, int, int]] = []  # (request row, start in rows, m)
-        for i, req_id in enumerate(ib.req_ids):
-            sampled = sampled_token_ids[i]
-            if not sampled:
-                continue
+        spans: list[tuple[int, int, int]] = []  # (batch row, start in rows, m)
+        for i in batch_rows:
             q_len = qsl[i + 1] - qsl[i]
-            valid = len(sampled) if scheduled.get(req_id) else q_len
+            valid = len(sampled_token_ids[i]) if scheduled.get(ib.req_ids[i]) else q_len
             m = min(valid, self.capture_tokens)
-            start = qsl[i] + valid - m
             spans.append((i, len(rows), m))
-            rows.extend(range(start, start + m))
+            rows.extend(range(qsl[i] + valid - m, qsl[i] + valid))
         if not rows:
             return {}
         idx = torch.tensor(rows, device=aux[0].device)
         hidden = torch.stack([a.index_select(0, idx) for a in aux])  # [n_layers, rows, d]
+        tokens = probs = None
+        if self.policy.shadow:
+            tokens, probs = self.shadow.project(hidden, self.shadow_heads)
+            self.stats.shadow_rows += tokens.numel()
         out = {}
         for i, off, m in spans:
             n = int(ib.num_tokens_no_spec[i])  # includes this step's sampled tokens
             targets = torch.from_numpy(ib.token_ids_cpu[i, n - m:n].astype(np.int64))
-            out[i] = (hidden[:, off:off + m], targets)
+            if tokens is None:
+                out[i] = (hidden[:, off:off + m], targets, None, None)
+            else:
+                out[i] = (None, targets, tokens[:, off:off + m], probs[:, off:off + m])
         return out
 
     # ---- drafting --------------------------------------------------------------------------------

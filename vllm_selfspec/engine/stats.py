@@ -23,6 +23,7 @@ class EngineStats:
     draft_rounds: int = 0  # per-request rounds that proposed >= 1 draft token
     draft_layers: float = 0.0  # decoder layers run by draft steps, summed over requests
     target_layers: float = 0.0  # decoder layers run by target forwards, summed over requests
+    shadow_rows: int = 0  # (layer, token) rows projected into shadow tokens
     draft_length_hist: Counter = field(default_factory=Counter)
     plan_hist: Counter = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
@@ -54,6 +55,7 @@ class EngineStats:
             "draft_layers": self.draft_layers,
             "target_layers": self.target_layers,
             "tokens_per_layer": self.generated_tokens / layers if layers else None,
+            "shadow_rows": self.shadow_rows,
             "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
             "plan_hist": dict(self.plan_hist.most_common()),
             # seconds inside the runner: verify = the target step minus the selfspec parts

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .del_ import DELPolicy
 from .layerskip import LayerSkipPolicy
 
 #: method name -> policy class. Methods land here as their issues are resolved.
 POLICIES: dict[str, type[Policy]] = {
     LayerSkipPolicy.name: LayerSkipPolicy,
+    DELPolicy.name: DELPolicy,
 }
 
-__all__ = ["POLICIES", "DraftDecision", "Feedback", "ModelInfo", "Policy", "LayerSkipPolicy"]
+__all__ = ["POLICIES", "DraftDecision", "Feedback", "ModelInfo", "Policy", "DELPolicy",
+           "LayerSkipPolicy"]

@@ -44,6 +44,10 @@ class Feedback:
     # targets[t] = the token that row must predict (the verified next token). None otherwise.
     hidden: torch.Tensor | None = None
     targets: torch.Tensor | None = None
+    # Shadow tokens (only when the policy sets shadow=True and wants_shadow(state) said yes):
+    # the exit head's greedy token and its probability for every (capture layer, captured row).
+    shadow_tokens: torch.Tensor | None = None  # [n_layers, m] int64
+    shadow_conf: torch.Tensor | None = None  # [n_layers, m] float32
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ class Policy(ABC):
 
     #: layer counts after which the engine captures the residual stream for observe()
     capture_layers: tuple[int, ...] = ()
+    #: project the captured rows through each layer's exit head into shadow tokens (batched over
+    #: the whole batch by the engine); the policy then sees tokens and confidences, not hidden
+    shadow: bool = False
+    #: defaults this method gives the common options (e.g. its own num_speculative_tokens)
+    common_defaults: dict[str, Any] = {}
 
     @classmethod
     def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
@@ -78,6 +87,14 @@ class Policy(ABC):
 
     def observe(self, state: Any, feedback: Feedback) -> None:
         """Update the request's statistics after a verification step."""
+
+    def wants_shadow(self, state: Any) -> bool:
+        """Whether this step's captured rows of the request should be projected (cost control)."""
+        return True
+
+    def head_for_layer(self, layer: int) -> str:
+        """The exit head drafts and shadow tokens at ``layer`` read logits from."""
+        return "lm_head"
 
     @abstractmethod
     def propose(self, state: Any) -> DraftDecision:

@@ -1,0 +1,103 @@
+"""DEL's statistics, TPL argmax and dynamic threshold on synthetic shadow tokens (no vLLM)."""
+import numpy as np
+import pytest
+import torch
+
+from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+from vllm_selfspec.policies import Feedback, ModelInfo
+from vllm_selfspec.policies.del_ import DELPolicy, default_exit_layers, tpl_table
+
+L = 30
+MODEL = ModelInfo(num_layers=L, hidden_size=64, vocab_size=100, architecture="LlamaForCausalLM")
+
+
+def make(**opts) -> DELPolicy:
+    return SelfSpecConfig.load({"method": "del", **opts}).make_policy(MODEL)
+
+
+def feedback(match: np.ndarray, conf: np.ndarray) -> Feedback:
+    """match [layers, m] bool -> shadow tokens equal to the targets where match is True."""
+    m = match.shape[1]
+    targets = torch.arange(m)
+    tokens = torch.where(torch.from_numpy(match), targets[None, :], targets[None, :] + 50)
+    return Feedback(0, 0, 100, targets=targets, shadow_tokens=tokens,
+                    shadow_conf=torch.from_numpy(conf).float())
+
+
+def test_defaults_follow_the_paper():
+    p = make()
+    assert p.max_draft_tokens == 18 and p.omega == 0.95
+    assert p.capture_layers == default_exit_layers(L) == (8, 12, 16, 20, 24, 28)
+
+
+def test_tpl_formula_and_vanilla_column():
+    alpha = np.array([0.0, 0.5, 0.9])
+    t = tpl_table(alpha, np.array([5.0, 10.0, 20.0]), L, 3)
+    assert np.allclose(t[:, 0], 1 / L)  # d = 0: a plain step
+    assert t[1, 2] == pytest.approx((1 + 0.5 + 0.25) / (2 * 10 + L))
+    assert t[2, 3] == pytest.approx((1 - 0.9 ** 4) / (0.1 * (3 * 20 + L)))
+
+
+def test_decayed_statistics_and_alpha():
+    p = make(exit_layers=[5, 10], omega=0.5)
+    s = p.new_state()
+    p.observe(s, feedback(np.array([[1, 0], [1, 1]], bool), np.full((2, 2), 0.5)))
+    p.observe(s, feedback(np.array([[0, 0], [1, 1]], bool), np.full((2, 2), 0.5)))
+    # S(u) = 0.5 * 2 + 2 = 3; S(c) layer 5 = 0.5 * 1 + 0, layer 10 = 0.5 * 2 + 2
+    assert s.s_u == 3 and np.allclose(s.s_c, [0.5, 3.0])
+    assert np.allclose(p.alpha(s), [0.5 / 3, 1.0])
+
+
+def test_threshold_is_the_midpoint_of_matched_and_missed_confidence():
+    p = make(exit_layers=[10], omega=1.0)
+    s = p.new_state()
+    match = np.array([[1, 1, 0, 0]], bool)
+    conf = np.array([[0.9, 0.7, 0.3, 0.1]])
+    p.observe(s, feedback(match, conf))
+    assert p.threshold(s, 0) == pytest.approx(0.5 * (0.8 + 0.2))
+    s2 = p.new_state()
+    p.observe(s2, feedback(np.ones((1, 4), bool), conf))
+    assert p.threshold(s2, 0) is None  # never missed: no evidence to stop on
+
+
+def test_selection_picks_the_best_layer_and_length():
+    p = make(exit_layers=[6, 24])
+    s = p.new_state()
+    # layer 6 agrees 95% of the time, layer 24 always: the cheap layer wins on TPL
+    match = np.stack([np.arange(100) % 20 != 0, np.ones(100, bool)])
+    conf = np.where(match, 0.9, 0.2)
+    p.observe(s, feedback(match, conf))
+    d = p.propose(s)
+    alpha = p.alpha(s)
+    t = tpl_table(alpha, np.array([6.0, 24.0]), L, 18)
+    j, g = np.unravel_index(np.argmax(t), t.shape)
+    assert (d.plan.exit_layer, d.num_tokens) == ((6, 24)[j], g) and d.plan.exit_layer == 6
+    assert d.num_tokens > 1
+    assert d.min_confidence == pytest.approx(0.5 * (0.9 + 0.2))
+
+
+def test_no_exit_pays_off_means_no_draft():
+    p = make(exit_layers=[28])
+    s = p.new_state()
+    assert p.propose(s).num_tokens == 0  # nothing observed yet
+    p.observe(s, feedback(np.array([[1, 1, 0, 1, 0]], bool), np.full((1, 5), 0.5)))
+    assert p.propose(s).num_tokens == 0  # alpha 0.6 at 28 of 30 layers never beats 1/L
+
+
+def test_shadow_every_n_rounds():
+    p = make(shadow_every=3)
+    s = p.new_state()
+    wants = []
+    for _ in range(6):
+        wants.append(p.wants_shadow(s))
+        p.observe(s, Feedback(0, 0, 10))
+    assert wants == [True, False, False, True, False, False]
+
+
+@pytest.mark.parametrize("opts, match", [
+    ({"exit_layers": [30]}, "exit_layers"), ({"exit_layers": []}, "exit_layers"),
+    ({"omega": 0}, "omega"), ({"shadow_every": 0}, "shadow_every"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(SelfSpecConfigError, match=match):
+        SelfSpecConfig.load({"method": "del", **opts}).validate_for_model(MODEL)

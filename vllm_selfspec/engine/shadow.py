@@ -1,0 +1,45 @@
+"""Shadow tokens: captured residual-stream rows projected through an exit head, batched.
+
+For every (capture layer, row) the greedy token and its probability. With the model's own LM head
+and one TP rank, all layers go through one call of the fused LM-head argmax kernel
+(``vllm_selfspec.kernels.lm_head_argmax``: Triton on CUDA, its PyTorch reference on CPU), which
+never materialises the [rows, vocab] logits on GPU. Trained heads, or a vocabulary sharded over TP
+ranks, take vLLM's own final norm + ``compute_logits`` path (which all-gathers the logits).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.lm_head_argmax import lm_head_argmax
+from ..plans import LM_HEAD
+from .executor import PlanExecutor
+
+
+class ShadowProjector:
+    def __init__(self, executor: PlanExecutor, vocab_size: int, tp_size: int) -> None:
+        self.executor = executor
+        self.vocab_size = vocab_size
+        self.fused = tp_size == 1
+
+    @torch.inference_mode()
+    def project(self, hidden: torch.Tensor, heads: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [n_layers, rows, d] (pre-norm stream), heads[j] for layer j ->
+        (tokens [n_layers, rows] int64, probs [n_layers, rows] float32), both on the CPU."""
+        n, rows, d = hidden.shape
+        lay = self.executor.layout
+        if self.fused and all(h == LM_HEAD for h in heads):
+            weight = lay.model.lm_head.weight[: self.vocab_size]
+            ids, prob, _ = lm_head_argmax(hidden.reshape(n * rows, d), weight,
+                                          norm_weight=lay.norm.weight,
+                                          eps=lay.norm.variance_epsilon)
+            return ids.view(n, rows).cpu(), prob.view(n, rows).float().cpu()
+        tokens, probs = [], []
+        for j, name in enumerate(heads):
+            x = hidden[j]
+            if name != LM_HEAD:
+                x = self.executor.heads[name].transform(x)
+            logits = lay.compute_logits(lay.norm(x)).float()
+            p, t = torch.softmax(logits, dim=-1).max(dim=-1)
+            tokens.append(t)
+            probs.append(p)
+        return torch.stack(tokens).cpu(), torch.stack(probs).cpu()

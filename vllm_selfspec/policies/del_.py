@@ -1,0 +1,155 @@
+"""DEL: dynamic exit layer and draft length from shadow tokens (the DEL paper, §4 and App. A).
+
+Per request and per round:
+
+* **Shadow tokens.** After each verification the engine projects the verified tokens' residual
+  stream at every candidate exit layer through that layer's exit head (batched over the batch) and
+  hands the policy, per (layer ℓ, verified row), the greedy token and its probability.
+* **Statistics.** Per layer: ``c^ℓ`` = shadow tokens equal to the verified token, ``tcs^ℓ`` /
+  ``fcs^ℓ`` = summed confidence of matched / mismatched shadow tokens; ``u`` = verified rows. Every
+  round decays the running sums by ``omega`` (``S(a) = Σ ω^{r-i-1} a[i]``).
+  The paper counts rows up to the first mismatch of the current exit layer, because its shadow
+  pass also sees the rejected drafts' positions; the engine only captures verified rows (all of
+  them on the target's path), so every captured row is valid context and ``u`` is their count.
+* **Acceptance** ``α_ℓ = S(c^ℓ) / S(u)``; **threshold** ``τ_ℓ = ½ (S(tcs^ℓ)/S(c^ℓ) +
+  S(fcs^ℓ)/S(u − c^ℓ))``.
+* **Selection** ``(E, γ) = argmax TPL(ℓ, d) = (1 − α_ℓ^{d+1}) / ((1 − α_ℓ)(dℓ + L))`` over the
+  candidate layers and ``d ∈ [0, d_max]`` (``d = 0``: a plain decode step, TPL = 1/L, chosen when
+  no exit pays off); drafting stops early when a draft token's top-1 probability is below ``τ_E``.
+* The first round uses the statistics of the last ``capture_tokens`` (32) prompt tokens.
+
+Options (paper defaults): ``omega`` 0.95, ``num_speculative_tokens`` (d_max) 18,
+``capture_tokens`` 32. Cost control — one shadow row costs a full LM-head projection (on the
+embedded model, vocab 49152 x hidden 576: about a fifth of the whole model per row): ``exit_layers``
+(candidate exits; default 6 layers evenly spread over [L/4, L-2]) and ``shadow_every`` (project a
+request's verified rows every N-th round, default 4; prefill is always projected; the statistics
+simply do not move in between). The paper projects all L layers every round.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..plans import LayerPlan
+from .base import DraftDecision, Feedback, ModelInfo, Policy
+
+
+def default_exit_layers(num_layers: int, count: int = 6) -> tuple[int, ...]:
+    lo, hi = max(1, math.ceil(num_layers / 4)), max(1, num_layers - 2)
+    if hi <= lo:
+        return tuple(range(1, num_layers))
+    return tuple(sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)}))
+
+
+def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int,
+              max_draft: int) -> np.ndarray:
+    """TPL(ℓ, d) for every candidate layer (rows) and draft length d = 0..max_draft (columns)."""
+    a = np.clip(alpha, 0.0, 1.0 - 1e-9)[:, None]
+    d = np.arange(max_draft + 1)[None, :]
+    expected_tokens = (1.0 - a ** (d + 1)) / (1.0 - a)
+    return expected_tokens / (d * layers[:, None] + num_layers)
+
+
+@dataclass
+class DELState:
+    """Decayed sums S(·) of one request, one entry per candidate layer."""
+
+    n: int
+    s_u: float = 0.0
+    s_c: np.ndarray = field(default=None)
+    s_tcs: np.ndarray = field(default=None)
+    s_fcs: np.ndarray = field(default=None)
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("s_c", "s_tcs", "s_fcs"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(self.n))
+
+
+class DELPolicy(Policy):
+    name = "del"
+    options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True}
+    common_defaults = {"num_speculative_tokens": 18}
+    shadow = True
+
+    @classmethod
+    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
+        cls._exit_layers(config, model)
+        omega = config.get("omega", 0.95)
+        if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
+            raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
+        every = config.get("shadow_every", 4)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"del: shadow_every must be a positive integer, got {every!r}")
+
+    @staticmethod
+    def _exit_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:
+        L = model.num_layers
+        layers = config.get("exit_layers")
+        if layers is None:
+            return default_exit_layers(L)
+        bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool)
+               or not 1 <= x < L]
+        if not layers or bad:
+            raise ValueError(f"del: exit_layers must be a non-empty list of layer counts in "
+                             f"[1, {L - 1}] for this {L}-layer model, got {layers!r}")
+        return tuple(sorted(set(layers)))
+
+    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
+        super().__init__(config, model, max_draft_tokens)
+        self.validate(config, model)
+        self.capture_layers = self._exit_layers(config, model)
+        self.layers = np.array(self.capture_layers, dtype=np.float64)
+        self.omega = float(config.get("omega", 0.95))
+        self.every = int(config.get("shadow_every", 4))
+        self.dynamic_threshold = bool(config.get("dynamic_threshold", True))
+        self.plans = {l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))
+                      for l in self.capture_layers}
+        self.no_draft = DraftDecision(LayerPlan.full(model.num_layers), 0)
+
+    def new_state(self) -> DELState:
+        return DELState(len(self.capture_layers))
+
+    def wants_shadow(self, state: DELState) -> bool:
+        return state.rounds % self.every == 0
+
+    def observe(self, state: DELState, feedback: Feedback) -> None:
+        state.rounds += 1
+        if feedback.shadow_tokens is None:
+            return
+        match = (feedback.shadow_tokens == feedback.targets[None, :]).numpy()  # [layers, m]
+        conf = feedback.shadow_conf.float().numpy()
+        w = self.omega
+        state.s_u = w * state.s_u + match.shape[1]
+        state.s_c = w * state.s_c + match.sum(1)
+        state.s_tcs = w * state.s_tcs + (conf * match).sum(1)
+        state.s_fcs = w * state.s_fcs + (conf * ~match).sum(1)
+
+    def alpha(self, state: DELState) -> np.ndarray:
+        return state.s_c / state.s_u if state.s_u > 0 else np.zeros(len(self.layers))
+
+    def threshold(self, state: DELState, j: int) -> float | None:
+        matched, missed = state.s_c[j], state.s_u - state.s_c[j]
+        if matched <= 0 or missed <= 0:
+            return None  # no evidence on one side: do not stop on confidence
+        return 0.5 * (state.s_tcs[j] / matched + state.s_fcs[j] / missed)
+
+    def propose(self, state: DELState) -> DraftDecision:
+        if state.s_u <= 0:
+            return self.no_draft
+        tpl = tpl_table(self.alpha(state), self.layers, self.model.num_layers,
+                        self.max_draft_tokens)
+        j, d = np.unravel_index(int(np.argmax(tpl)), tpl.shape)  # first max: d = 0 on ties
+        if d == 0:
+            return self.no_draft
+        floor = self.threshold(state, int(j)) if self.dynamic_threshold else None
+        return DraftDecision(self.plans[self.capture_layers[j]], int(d), floor)
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, "exit_layers": list(self.capture_layers),
+                "omega": self.omega, "shadow_every": self.every,
+                "d_max": self.max_draft_tokens, "dynamic_threshold": self.dynamic_threshold}
