@@ -29,6 +29,7 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   self_attn, post_attention_layernorm, mlp}``,
   ``self_attn.attn.layer_name``, ``compute_logits``
 ``EagleModelMixin.set_aux_hidden_state_layers``         hidden-state capture in verification
+``get_tp_group().broadcast_object``                     rank 0's measured step costs to every rank
 =====================================================  ==============================================
 """
 from __future__ import annotations
@@ -108,7 +109,27 @@ def model_info(vllm_config):
     hf = vllm_config.model_config.hf_text_config
     archs = getattr(vllm_config.model_config.hf_config, "architectures", None) or ["?"]
     return ModelInfo(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-                     vocab_size=hf.vocab_size, architecture=archs[0])
+                     vocab_size=hf.vocab_size, architecture=archs[0],
+                     lm_head_layers=lm_head_layers(hf))
+
+
+def lm_head_layers(hf_config) -> float:
+    """LM-head weights / decoder-layer weights of a Llama-family config."""
+    d = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or d // heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    attn = d * head_dim * (heads + 2 * kv) + heads * head_dim * d
+    mlp = 3 * d * hf_config.intermediate_size
+    return hf_config.vocab_size * d / (attn + mlp)
+
+
+def broadcast_from_tp_rank0(obj):
+    """Rank 0's ``obj`` on every tensor-parallel rank (identity without TP)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return obj if group.world_size == 1 else group.broadcast_object(obj, src=0)
 
 
 def selfspec_options(vllm_config) -> dict | None:

@@ -101,3 +101,57 @@ def test_shadow_every_n_rounds():
 def test_bad_options(opts, match):
     with pytest.raises(SelfSpecConfigError, match=match):
         SelfSpecConfig.load({"method": "del", **opts}).validate_for_model(MODEL)
+
+
+def test_lm_head_counts_as_layers_in_tpl():
+    p = make(exit_layers=[6])
+    p.model = ModelInfo(L, 64, 100, "LlamaForCausalLM", lm_head_layers=8.0)
+    s = p.new_state()
+    match = np.arange(100) % 10 != 0  # alpha 0.9 at layer 6
+    p.observe(s, feedback(match[None, :], np.full((1, 100), 0.5)))
+    t = p.table(p.alpha(s))
+    assert t[0, 1] == pytest.approx((1 + 0.9) / ((6 + 8) + L + 8))
+
+
+class FakeCosts:
+    def __init__(self, draft, verify):
+        self.draft, self.verify = draft, verify
+
+    def draft_seconds(self, layers):
+        return self.draft(layers)
+
+    def verify_seconds(self, tokens):
+        return self.verify(tokens)
+
+
+def test_time_cost_uses_measured_seconds_and_falls_back_to_layers():
+    p = make(exit_layers=[6], cost="time")
+    assert p.timed
+    s = p.new_state()
+    match = np.arange(100) % 10 != 0
+    p.observe(s, feedback(match[None, :], np.full((1, 100), 0.5)))
+    p.costs = FakeCosts(lambda l: None, lambda t: None)  # nothing measured yet: layers
+    assert np.allclose(p.table(p.alpha(s)), tpl_table(p.alpha(s), np.array([6.0]), L, 18))
+    # drafting is nearly free but every verified token costs a full step: draft 1 at most
+    p.costs = FakeCosts(lambda l: 0.001, lambda t: 0.01 * t)
+    assert p.propose(s).num_tokens == 0
+    # verification costs the same for any length: draft long
+    p.costs = FakeCosts(lambda l: 0.001, lambda t: 0.01)
+    assert p.propose(s).num_tokens > 5
+
+
+def test_linear_fit_and_step_costs():
+    from vllm_selfspec.engine.costs import LinearFit, StepCosts
+
+    f = LinearFit(decay=1.0)
+    f.add(2, 5.0)
+    assert f.predict(2) is None  # one x value: no slope yet
+    f.add(4, 9.0)
+    f.add(6, 13.0)
+    assert f.coefficients() == pytest.approx((1.0, 2.0))
+    c = StepCosts()
+    c.draft.add(1, 1.0)
+    c.draft.add(3, 2.0)
+    assert c.draft_seconds(5) == pytest.approx(3.0)
+    c.freeze(((0.0, 10.0), None))  # rank 0's coefficients win
+    assert c.draft_seconds(2) == pytest.approx(20.0) and c.verify_seconds(2) is None

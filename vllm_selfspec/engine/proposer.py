@@ -14,6 +14,7 @@ vLLM's rejection sampler accepted a prefix):
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -24,6 +25,7 @@ from .. import compat
 from ..config import SelfSpecConfig
 from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
+from .costs import StepCosts
 from .executor import PlanExecutor
 from .shadow import ShadowProjector
 from .stats import EngineStats
@@ -48,6 +50,11 @@ class SelfSpecProposer:
         self.capture_tokens = self.config.capture_tokens
         self.states: dict[str, Any] = {}
         self.stats = EngineStats()
+        self.costs = StepCosts()
+        self.policy.costs = self.costs
+        self._tp = vllm_config.parallel_config.tensor_parallel_size
+        self._step_draft_seconds = 0.0  # selfspec time inside the current runner step
+        self._verify_tokens: float | None = None  # tokens per request of the current step
         self.runner = None
         self.executor: PlanExecutor | None = None
         self._attn_groups: list | None = None
@@ -93,6 +100,13 @@ class SelfSpecProposer:
         drafts: list[list[int]] = [[] for _ in req_ids]
         st = self.stats
         st.steps += 1
+        t_start = time.perf_counter()
+        per_req = scheduler_output.num_scheduled_tokens
+        # a verification (or plain decode) step, not a prefill: its time calibrates verify costs
+        self._verify_tokens = (sum(per_req.values()) / len(per_req)
+                               if per_req and max(per_req.values()) <= self.k + 1 else None)
+        if self.policy.timed and self._tp > 1:  # decisions must match on every rank
+            self.costs.freeze(compat.broadcast_from_tp_rank0(self.costs.state()))
 
         L = self.info.num_layers
         entries: list[tuple[int, str, Any]] = []  # (batch row, request id, policy state)
@@ -137,7 +151,15 @@ class SelfSpecProposer:
         if active:
             with st.timer("draft"):
                 self._draft(runner, active, sampling_metadata, drafts)
+        self._step_draft_seconds = time.perf_counter() - t_start
         return drafts
+
+    def record_step(self, seconds: float) -> None:
+        """The runner step took ``seconds`` (execute_model + sample_tokens): calibrate the
+        verification cost with its part outside selfspec."""
+        if self._verify_tokens is not None:
+            self.costs.verify.add(self._verify_tokens, seconds - self._step_draft_seconds)
+        self._verify_tokens, self._step_draft_seconds = None, 0.0
 
     # ---- feedback: hidden states of the verified tokens ---------------------------------------
     def _capture(self, ib, batch_rows, sampled_token_ids, scheduled, aux, common_attn_metadata):
@@ -213,10 +235,12 @@ class SelfSpecProposer:
             md, slot_map = self._attn_metadata(block_table[rows_t[J].to(dev)], pos,
                                                bt.block_size, step)
             set_forward_context = compat.runner_internals()[0]
+            t0 = time.perf_counter()
             with set_forward_context(md, self.vllm_config, num_tokens=len(alive),
                                      slot_mapping=slot_map):
                 h, res = self.executor.run(plan, tok[J].to(dev), pos)
             logits = self.executor.logits(plan, h, res).float()
+            self.costs.draft.add(plan.layer_cost, time.perf_counter() - t0)
             self.stats.draft_layers += plan.layer_cost * len(alive)
             nxt = logits.argmax(dim=-1)
             if temps is not None:

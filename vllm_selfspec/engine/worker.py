@@ -8,6 +8,8 @@ Hooks live on the runner, not on the worker, because Ray's compiled DAG calls th
 """
 from __future__ import annotations
 
+import time
+
 from .. import compat
 from .proposer import SelfSpecProposer
 
@@ -54,6 +56,7 @@ class SelfSpecRunnerMixin:
         drafter = self._selfspec()
         if drafter is None:
             return super().execute_model(*args, **kwargs)
+        self._selfspec_t0 = time.perf_counter()
         with drafter.stats.timer("step"):
             return super().execute_model(*args, **kwargs)
 
@@ -62,7 +65,9 @@ class SelfSpecRunnerMixin:
         if drafter is None:
             return super().sample_tokens(*args, **kwargs)
         with drafter.stats.timer("step"):
-            return super().sample_tokens(*args, **kwargs)
+            out = super().sample_tokens(*args, **kwargs)
+        drafter.record_step(time.perf_counter() - self._selfspec_t0)
+        return out
 
 
 _SWAPPED: dict[type, type] = {}

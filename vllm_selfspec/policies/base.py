@@ -30,6 +30,9 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     architecture: str
+    #: the LM head's weight count in decoder layers (V·d / weights per layer): what reading the
+    #: head costs a memory-bound step, in the unit of TPL's "loaded layers"
+    lm_head_layers: float = 0.0
 
 
 @dataclass
@@ -77,6 +80,11 @@ class Policy(ABC):
     shadow: bool = False
     #: defaults this method gives the common options (e.g. its own num_speculative_tokens)
     common_defaults: dict[str, Any] = {}
+    #: set by the engine: measured step costs, ``draft_seconds(layers)`` and
+    #: ``verify_seconds(tokens_per_request)`` (each None until measured); rank-identical under TP
+    costs: Any = None
+    #: whether decisions read ``costs`` (the engine then shares rank 0's costs under TP)
+    timed: bool = False
 
     @classmethod
     def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:

@@ -14,8 +14,12 @@ Per request and per round:
 * **Acceptance** ``α_ℓ = S(c^ℓ) / S(u)``; **threshold** ``τ_ℓ = ½ (S(tcs^ℓ)/S(c^ℓ) +
   S(fcs^ℓ)/S(u − c^ℓ))``.
 * **Selection** ``(E, γ) = argmax TPL(ℓ, d) = (1 − α_ℓ^{d+1}) / ((1 − α_ℓ)(dℓ + L))`` over the
-  candidate layers and ``d ∈ [0, d_max]`` (``d = 0``: a plain decode step, TPL = 1/L, chosen when
-  no exit pays off); drafting stops early when a draft token's top-1 probability is below ``τ_E``.
+  candidate layers and ``d ∈ [0, d_max]`` (``d = 0``: a plain decode step, chosen when no exit pays
+  off); drafting stops early when a draft token's top-1 probability is below ``τ_E``.
+  ``cost``: ``"layers"`` is the paper's TPL with the LM head counted as the ``h`` layers its weights
+  amount to (``d(ℓ+h) + L + h``: h ≈ 0.6 for Llama-2-7B, 8 for the embedded SmolLM2-135M);
+  ``"time"`` is tokens per second with the engine's measured seconds per draft step (a line in
+  ℓ) and per verification (a line in tokens per request), falling back to layers until measured.
 * The first round uses the statistics of the last ``capture_tokens`` (32) prompt tokens.
 
 Options (paper defaults): ``omega`` 0.95, ``num_speculative_tokens`` (d_max) 18,
@@ -44,13 +48,29 @@ def default_exit_layers(num_layers: int, count: int = 6) -> tuple[int, ...]:
     return tuple(sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)}))
 
 
-def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int,
-              max_draft: int) -> np.ndarray:
-    """TPL(ℓ, d) for every candidate layer (rows) and draft length d = 0..max_draft (columns)."""
+def expected_tokens(alpha: np.ndarray, max_draft: int) -> np.ndarray:
+    """Tokens a round emits with per-token acceptance α and d = 0..max_draft drafts."""
     a = np.clip(alpha, 0.0, 1.0 - 1e-9)[:, None]
     d = np.arange(max_draft + 1)[None, :]
-    expected_tokens = (1.0 - a ** (d + 1)) / (1.0 - a)
-    return expected_tokens / (d * layers[:, None] + num_layers)
+    return (1.0 - a ** (d + 1)) / (1.0 - a)
+
+
+def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int, max_draft: int,
+              head_layers: float = 0.0) -> np.ndarray:
+    """TPL(ℓ, d) for every candidate layer (rows) and draft length d = 0..max_draft (columns).
+    ``head_layers`` > 0 also counts the LM head read by every draft and target step."""
+    d = np.arange(max_draft + 1)[None, :]
+    cost = d * (layers[:, None] + head_layers) + num_layers + head_layers
+    return expected_tokens(alpha, max_draft) / cost
+
+
+def tpt_table(alpha: np.ndarray, draft_seconds: np.ndarray, verify_seconds: np.ndarray,
+              max_draft: int) -> np.ndarray:
+    """Tokens per second: draft_seconds[ℓ] per draft step at each candidate layer,
+    verify_seconds[d] for a verification of d drafts (d + 1 tokens per request)."""
+    d = np.arange(max_draft + 1)[None, :]
+    cost = d * draft_seconds[:, None] + verify_seconds[None, :]
+    return expected_tokens(alpha, max_draft) / cost
 
 
 @dataclass
@@ -72,7 +92,8 @@ class DELState:
 
 class DELPolicy(Policy):
     name = "del"
-    options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True}
+    options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True,
+               "cost": "layers"}
     common_defaults = {"num_speculative_tokens": 18}
     shadow = True
 
@@ -82,6 +103,8 @@ class DELPolicy(Policy):
         omega = config.get("omega", 0.95)
         if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
             raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
+        if config.get("cost", "layers") not in ("layers", "time"):
+            raise ValueError(f"del: cost must be \"layers\" or \"time\", got {config.get('cost')!r}")
         every = config.get("shadow_every", 4)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"del: shadow_every must be a positive integer, got {every!r}")
@@ -107,6 +130,8 @@ class DELPolicy(Policy):
         self.omega = float(config.get("omega", 0.95))
         self.every = int(config.get("shadow_every", 4))
         self.dynamic_threshold = bool(config.get("dynamic_threshold", True))
+        self.cost = config.get("cost", "layers")
+        self.timed = self.cost == "time"
         self.plans = {l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))
                       for l in self.capture_layers}
         self.no_draft = DraftDecision(LayerPlan.full(model.num_layers), 0)
@@ -141,15 +166,24 @@ class DELPolicy(Policy):
     def propose(self, state: DELState) -> DraftDecision:
         if state.s_u <= 0:
             return self.no_draft
-        tpl = tpl_table(self.alpha(state), self.layers, self.model.num_layers,
-                        self.max_draft_tokens)
-        j, d = np.unravel_index(int(np.argmax(tpl)), tpl.shape)  # first max: d = 0 on ties
+        table = self.table(self.alpha(state))
+        j, d = np.unravel_index(int(np.argmax(table)), table.shape)  # first max: d = 0 on ties
         if d == 0:
             return self.no_draft
         floor = self.threshold(state, int(j)) if self.dynamic_threshold else None
         return DraftDecision(self.plans[self.capture_layers[j]], int(d), floor)
 
+    def table(self, alpha: np.ndarray) -> np.ndarray:
+        """The objective over (candidate layer, draft length): TPT when measured, else TPL."""
+        if self.cost == "time" and self.costs is not None:
+            draft = [self.costs.draft_seconds(layer) for layer in self.capture_layers]
+            verify = [self.costs.verify_seconds(d + 1) for d in range(self.max_draft_tokens + 1)]
+            if None not in draft and None not in verify:
+                return tpt_table(alpha, np.array(draft), np.array(verify), self.max_draft_tokens)
+        return tpl_table(alpha, self.layers, self.model.num_layers, self.max_draft_tokens,
+                         self.model.lm_head_layers)
+
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "exit_layers": list(self.capture_layers),
+        return {"method": self.name, "cost": self.cost, "exit_layers": list(self.capture_layers),
                 "omega": self.omega, "shadow_every": self.every,
                 "d_max": self.max_draft_tokens, "dynamic_threshold": self.dynamic_threshold}
