@@ -30,6 +30,7 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   ``self_attn.attn.layer_name``, ``compute_logits``
 ``EagleModelMixin.set_aux_hidden_state_layers``         hidden-state capture in verification
 ``get_tp_group().broadcast_object``                     rank 0's measured step costs to every rank
+``get_tensor_model_parallel_rank``, ``embed_tokens``    trained heads' model fingerprint (rank 0)
 =====================================================  ==============================================
 """
 from __future__ import annotations
@@ -124,6 +125,12 @@ def lm_head_layers(hf_config) -> float:
     return hf_config.vocab_size * d / (attn + mlp)
 
 
+def tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def broadcast_from_tp_rank0(obj):
     """Rank 0's ``obj`` on every tensor-parallel rank (identity without TP)."""
     from vllm.distributed import get_tp_group
@@ -163,6 +170,7 @@ class LlamaLayout:
         self.layers = inner.layers
         self.norm = inner.norm
         self.compute_logits = model.compute_logits
+        self.embed_weight = inner.embed_tokens.weight  # a vocab shard under TP (rank 0: rows 0..)
         self.attn_layer_names = [layer.self_attn.attn.layer_name for layer in inner.layers]
 
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:

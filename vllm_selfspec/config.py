@@ -116,5 +116,13 @@ class SelfSpecConfig:
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
 
+    def resolved(self, model_path: str) -> "SelfSpecConfig":
+        try:
+            options = POLICIES[self.method].resolve(dict(self.options), model_path)
+        except ValueError as e:
+            raise SelfSpecConfigError(str(e)) from e
+        return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
+                              options)
+
     def make_policy(self, model: ModelInfo):
         return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

@@ -95,13 +95,17 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
     return cfg
 
 
-def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> None:
-    """Checks that need the resolved model and parallel config (still before serving)."""
+def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
+    """Checks that need the resolved model and parallel config (still before serving); stores
+    the config with its "auto" options made concrete for the workers."""
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise SelfSpecConfigError("selfspec does not support pipeline parallelism")
     if vllm_config.kv_transfer_config is not None:
         raise SelfSpecConfigError("selfspec cannot run with a KV connector")
+    cfg = cfg.resolved(vllm_config.model_config.model)
     cfg.validate_for_model(compat.model_info(vllm_config))
+    vllm_config.additional_config["selfspec"] = cfg.to_dict()
+    return cfg
 
 
 def _patch_create_engine_config(EngineArgs) -> None:
@@ -113,7 +117,7 @@ def _patch_create_engine_config(EngineArgs) -> None:
         cfg = translate_engine_args(self)
         vllm_config = orig(self, *args, **kwargs)
         if cfg is not None:
-            check_vllm_config(vllm_config, cfg)
+            cfg = check_vllm_config(vllm_config, cfg)
             logger.info("vllm-selfspec: method %s, options %s", cfg.method, cfg.to_dict())
         return vllm_config
 

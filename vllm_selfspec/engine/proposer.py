@@ -77,6 +77,27 @@ class SelfSpecProposer:
         self.shadow = ShadowProjector(self.executor, self.info.vocab_size,
                                       self.vllm_config.parallel_config.tensor_parallel_size)
         self.shadow_heads = [self.policy.head_for_layer(layer) for layer in self.capture_layers]
+        heads_path = getattr(self.policy, "heads_path", None)
+        if heads_path:
+            self._load_heads(target_model, heads_path)
+
+    def _load_heads(self, target_model, path: str) -> None:
+        """Trained exit heads into the executor's head slots ("heads@<layer>"), after checking
+        they were trained for this model (rank 0 holds the fingerprinted embedding rows)."""
+        from ..heads import identity_from_tensors, load_heads
+
+        lay, info = self.executor.layout, self.info
+        expect = None
+        if compat.tp_rank() == 0:
+            expect = identity_from_tensors(
+                architecture=info.architecture, num_layers=info.num_layers,
+                hidden_size=info.hidden_size, vocab_size=info.vocab_size,
+                embed_weight=lay.embed_weight, norm_weight=lay.norm.weight)
+        heads = load_heads(path, expect=expect)
+        param = lay.norm.weight
+        for layer, head in heads.items():
+            self.executor.heads[f"heads@{layer}"] = head.to(device=param.device,
+                                                            dtype=param.dtype)
         if self.executor.num_layers != self.info.num_layers:
             raise RuntimeError(f"model has {self.executor.num_layers} layers, config says "
                                f"{self.info.num_layers}")

@@ -87,6 +87,12 @@ class Policy(ABC):
     timed: bool = False
 
     @classmethod
+    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
+        """Options with machine-dependent defaults made concrete (e.g. "auto" -> a file path),
+        once, in the front end; every worker then sees the same values."""
+        return config
+
+    @classmethod
     def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
         """Raise ValueError for option values impossible on this model (called before serving)."""
 

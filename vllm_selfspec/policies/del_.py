@@ -41,6 +41,10 @@ from ..plans import LayerPlan
 from .base import DraftDecision, Feedback, ModelInfo, Policy
 
 
+#: the trained heads DEL drafts through by default (lightweight: one d x d matrix per exit)
+HEAD_KIND = "adadecode"
+
+
 def default_exit_layers(num_layers: int, count: int = 6) -> tuple[int, ...]:
     lo, hi = max(1, math.ceil(num_layers / 4)), max(1, num_layers - 2)
     if hi <= lo:
@@ -93,13 +97,43 @@ class DELState:
 class DELPolicy(Policy):
     name = "del"
     options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True,
-               "cost": "layers"}
+               "cost": "layers", "heads": "auto"}
     common_defaults = {"num_speculative_tokens": 18}
     shadow = True
 
     @classmethod
+    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
+        """``heads: "auto"`` -> the model's cached trained heads if they exist, else "none"."""
+        heads = config.get("heads", "auto")
+        if heads == "auto":
+            from ..models import cached_heads
+
+            found = cached_heads(model_path, HEAD_KIND)
+            config["heads"] = str(found) if found is not None else "none"
+        return config
+
+    @staticmethod
+    def _head_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:
+        heads = config.get("heads", "auto")
+        if heads in ("auto", "none", None):
+            return ()
+        from ..heads.io import read_config
+
+        try:
+            hc = read_config(heads)
+        except ValueError as e:
+            raise ValueError(f"del: heads: {e}") from e
+        base = hc["base_model"]
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if base[key] != getattr(model, key):
+                raise ValueError(f"del: the heads in {heads} were trained for a model with "
+                                 f"{key}={base[key]}, this model has {getattr(model, key)}")
+        return tuple(int(layer) for layer in hc["layers"])
+
+    @classmethod
     def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
         cls._exit_layers(config, model)
+        cls._head_layers(config, model)
         omega = config.get("omega", 0.95)
         if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
             raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
@@ -114,7 +148,7 @@ class DELPolicy(Policy):
         L = model.num_layers
         layers = config.get("exit_layers")
         if layers is None:
-            return default_exit_layers(L)
+            return DELPolicy._head_layers(config, model) or default_exit_layers(L)
         bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool)
                or not 1 <= x < L]
         if not layers or bad:
@@ -125,6 +159,9 @@ class DELPolicy(Policy):
     def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
         super().__init__(config, model, max_draft_tokens)
         self.validate(config, model)
+        self.head_layers = self._head_layers(config, model)
+        #: trained exit heads the engine loads (None: the model's own LM head everywhere)
+        self.heads_path = config["heads"] if self.head_layers else None
         self.capture_layers = self._exit_layers(config, model)
         self.layers = np.array(self.capture_layers, dtype=np.float64)
         self.omega = float(config.get("omega", 0.95))
@@ -135,6 +172,9 @@ class DELPolicy(Policy):
         self.plans = {l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))
                       for l in self.capture_layers}
         self.no_draft = DraftDecision(LayerPlan.full(model.num_layers), 0)
+
+    def head_for_layer(self, layer: int) -> str:
+        return f"heads@{layer}" if layer in self.head_layers else "lm_head"
 
     def new_state(self) -> DELState:
         return DELState(len(self.capture_layers))
@@ -184,6 +224,6 @@ class DELPolicy(Policy):
                          self.model.lm_head_layers)
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "cost": self.cost, "exit_layers": list(self.capture_layers),
+        return {"method": self.name, "cost": self.cost, "heads": self.heads_path, "exit_layers": list(self.capture_layers),
                 "omega": self.omega, "shadow_every": self.every,
                 "d_max": self.max_draft_tokens, "dynamic_threshold": self.dynamic_threshold}
