@@ -84,14 +84,29 @@ def test_no_exit_pays_off_means_no_draft():
     assert p.propose(s).num_tokens == 0  # alpha 0.6 at 28 of 30 layers never beats 1/L
 
 
-def test_shadow_every_n_rounds():
-    p = make(shadow_every=3)
+def _shadow_rounds(p, match, rounds=48):
+    """Rounds in which the engine would project (it feeds shadow only when asked)."""
     s = p.new_state()
-    wants = []
-    for _ in range(6):
-        wants.append(p.wants_shadow(s))
-        p.observe(s, Feedback(0, 0, 10))
-    assert wants == [True, False, False, True, False, False]
+    asked = []
+    for r in range(rounds):
+        if p.wants_shadow(s):
+            asked.append(r)
+            p.observe(s, feedback(match, np.full(match.shape, 0.5)))
+        else:
+            p.observe(s, Feedback(0, 0, 10))
+    return asked
+
+
+def test_shadow_every_n_rounds_while_drafting_pays():
+    p = make(exit_layers=[6], shadow_every=2)
+    good = (np.arange(40) % 20 != 0)[None, :]  # alpha 0.95 at 6 of 30 layers: drafting pays
+    assert _shadow_rounds(p, good)[:5] == [0, 2, 4, 6, 8]
+
+
+def test_shadow_backs_off_while_no_exit_pays():
+    p = make(exit_layers=[28], shadow_every=2)
+    bad = (np.arange(40) % 2 == 0)[None, :]  # alpha 0.5 at 28 of 30 layers: never drafts
+    assert _shadow_rounds(p, bad) == [0, 4, 12, 28, 44]  # intervals 4, 8, 16, 16 (cap 8x2)
 
 
 @pytest.mark.parametrize("opts, match", [

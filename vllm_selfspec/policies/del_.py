@@ -20,14 +20,19 @@ Per request and per round:
   amount to (``d(ℓ+h) + L + h``: h ≈ 0.6 for Llama-2-7B, 8 for the embedded SmolLM2-135M);
   ``"time"`` is tokens per second with the engine's measured seconds per draft step (a line in
   ℓ) and per verification (a line in tokens per request), falling back to layers until measured.
-* The first round uses the statistics of the last ``capture_tokens`` (32) prompt tokens.
+* The first round uses the statistics of the last ``capture_tokens`` prompt tokens.
 
-Options (paper defaults): ``omega`` 0.95, ``num_speculative_tokens`` (d_max) 18,
-``capture_tokens`` 32. Cost control — one shadow row costs a full LM-head projection (on the
-embedded model, vocab 49152 x hidden 576: about a fifth of the whole model per row): ``exit_layers``
-(candidate exits; default 6 layers evenly spread over [L/4, L-2]) and ``shadow_every`` (project a
-request's verified rows every N-th round, default 4; prefill is always projected; the statistics
-simply do not move in between). The paper projects all L layers every round.
+Options (paper defaults): ``omega`` 0.95, ``num_speculative_tokens`` (d_max) 18. Cost control —
+one shadow row costs a full LM-head projection (on the embedded model, vocab 49152 x hidden 576:
+about a fifth of the whole model per row), and the paper projects all L layers of every round:
+
+* ``exit_layers``: candidate exits (default: the trained heads' layers, else 6 layers evenly
+  spread over [L/4, L-2]);
+* ``shadow_every``: project a request's verified rows every N-th round (default 4); while no exit
+  pays off the interval doubles after each projection, up to 8N, and snaps back when one does
+  (the statistics simply do not move in between);
+* ``capture_tokens``: prompt tokens that initialise the statistics at prefill (default 8; the
+  paper's 32 costs 4x more LM-head rows per request).
 """
 from __future__ import annotations
 
@@ -87,6 +92,8 @@ class DELState:
     s_tcs: np.ndarray = field(default=None)
     s_fcs: np.ndarray = field(default=None)
     rounds: int = 0
+    next_shadow: int = 0  # the round of the next projection
+    interval: int = 1  # rounds between projections (backs off while no exit pays off)
 
     def __post_init__(self) -> None:
         for name in ("s_c", "s_tcs", "s_fcs"):
@@ -98,7 +105,7 @@ class DELPolicy(Policy):
     name = "del"
     options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True,
                "cost": "layers", "heads": "auto"}
-    common_defaults = {"num_speculative_tokens": 18}
+    common_defaults = {"num_speculative_tokens": 18, "capture_tokens": 8}
     shadow = True
 
     @classmethod
@@ -177,10 +184,10 @@ class DELPolicy(Policy):
         return f"heads@{layer}" if layer in self.head_layers else "lm_head"
 
     def new_state(self) -> DELState:
-        return DELState(len(self.capture_layers))
+        return DELState(len(self.capture_layers), interval=self.every)
 
     def wants_shadow(self, state: DELState) -> bool:
-        return state.rounds % self.every == 0
+        return state.rounds >= state.next_shadow
 
     def observe(self, state: DELState, feedback: Feedback) -> None:
         state.rounds += 1
@@ -193,6 +200,11 @@ class DELPolicy(Policy):
         state.s_c = w * state.s_c + match.sum(1)
         state.s_tcs = w * state.s_tcs + (conf * match).sum(1)
         state.s_fcs = w * state.s_fcs + (conf * ~match).sum(1)
+        # project every `shadow_every` rounds while drafting pays off; while it does not, back
+        # off (x2 per projection, up to 8x): the estimates then only watch for a change
+        drafting = self.propose(state).num_tokens > 0
+        state.interval = self.every if drafting else min(2 * state.interval, 8 * self.every)
+        state.next_shadow = state.rounds + state.interval - 1
 
     def alpha(self, state: DELState) -> np.ndarray:
         return state.s_c / state.s_u if state.s_u > 0 else np.zeros(len(self.layers))
