@@ -115,7 +115,10 @@ def model_info(vllm_config):
 
 
 def lm_head_layers(hf_config) -> float:
-    """LM-head weights / decoder-layer weights of a Llama-family config."""
+    """LM-head weights / decoder-layer weights of a Llama-family config (0 for other layouts,
+    which the config check refuses anyway)."""
+    if not hasattr(hf_config, "intermediate_size"):
+        return 0.0
     d = hf_config.hidden_size
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or d // heads

@@ -45,7 +45,8 @@ def test_del_with_heads_keeps_parity(model_path, tmp_path):
     assert got == want
     assert stats["policy"]["heads"] == str(path)
     assert stats["policy"]["exit_layers"] == list(LAYERS)  # exits default to the head layers
-    assert stats["shadow_rows"] >= len(LAYERS) * stats["target_rounds"]
+    # every request's prefill rows were projected at every head layer (later rounds back off)
+    assert stats["shadow_rows"] >= len(LAYERS) * len(PROMPTS) * 4
 
 
 def test_heads_of_another_model_are_refused_at_startup(model_path, tmp_path, monkeypatch):

@@ -65,8 +65,8 @@ def test_greedy_parity(model_path, vanilla, name):
         for i, (want, got) in enumerate(zip(vanilla[bs], out[bs])):
             assert got == want, f"{name} {bs} prompt {i}: tokens differ from vanilla vLLM"
     if name == "del":
-        # every sampled step of every request projected its verified rows at 6 exit layers
-        assert stats["shadow_rows"] >= 6 * stats["target_rounds"]
+        # every request's prefill rows were projected at 6 exit layers (later rounds back off)
+        assert stats["shadow_rows"] >= 6 * 2 * len(PROMPTS) * 4
         assert stats["accepted_tokens"] <= stats["drafted_tokens"]
         return
     assert stats["drafted_tokens"] > 0, "the drafter never ran"
