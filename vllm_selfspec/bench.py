@@ -96,12 +96,11 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
 
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
+    from .compat import model_info_from_hf
     from .config import SelfSpecConfig
-    from .policies import POLICIES, ModelInfo
+    from .policies import POLICIES
 
-    info = ModelInfo(num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-                     vocab_size=hf_config.vocab_size,
-                     architecture=(getattr(hf_config, "architectures", None) or ["?"])[0])
+    info = model_info_from_hf(hf_config)
     for cfg in configs.values():
         if cfg is not None and cfg["method"] in POLICIES:
             SelfSpecConfig.load(cfg).validate_for_model(info)

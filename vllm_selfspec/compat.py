@@ -105,13 +105,19 @@ def vllm_spec_methods() -> list[str]:
 
 def model_info(vllm_config):
     """ModelInfo of the target from a VllmConfig."""
+    return model_info_from_hf(vllm_config.model_config.hf_text_config,
+                              vllm_config.model_config.hf_config)
+
+
+def model_info_from_hf(text_config, config=None):
+    """ModelInfo from an HF config (``config`` holds ``architectures`` when it is not the text
+    config itself, as for multimodal wrappers)."""
     from .policies import ModelInfo
 
-    hf = vllm_config.model_config.hf_text_config
-    archs = getattr(vllm_config.model_config.hf_config, "architectures", None) or ["?"]
-    return ModelInfo(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-                     vocab_size=hf.vocab_size, architecture=archs[0],
-                     lm_head_layers=lm_head_layers(hf))
+    archs = getattr(config or text_config, "architectures", None) or ["?"]
+    return ModelInfo(num_layers=text_config.num_hidden_layers,
+                     hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
+                     architecture=archs[0], lm_head_layers=lm_head_layers(text_config))
 
 
 def lm_head_layers(hf_config) -> float:

@@ -58,6 +58,7 @@ class SelfSpecProposer:
         self.runner = None
         self.executor: PlanExecutor | None = None
         self._attn_groups: list | None = None
+        self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
         self._draft_probs: tuple[torch.Tensor, list[str]] | None = None
         # identical on every TP rank, so sampled drafts (and so the partial forward) match
         self._generator = torch.Generator()
@@ -255,9 +256,8 @@ class SelfSpecProposer:
             pos = (pos0[J] + step).to(dev)
             md, slot_map = self._attn_metadata(block_table[rows_t[J].to(dev)], pos,
                                                bt.block_size, step)
-            set_forward_context = compat.runner_internals()[0]
             t0 = time.perf_counter()
-            with set_forward_context(md, self.vllm_config, num_tokens=len(alive),
+            with self._set_forward_context(md, self.vllm_config, num_tokens=len(alive),
                                      slot_mapping=slot_map):
                 h, res = self.executor.run(plan, tok[J].to(dev), pos)
             logits = self.executor.logits(plan, h, res).float()
@@ -293,14 +293,13 @@ class SelfSpecProposer:
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):
         """Attention metadata (one query per request at ``pos``) for every attention layer."""
-        _, CommonAttentionMetadata, _ = compat.runner_internals()
         B = pos.shape[0]
         qsl_cpu = torch.arange(B + 1, dtype=torch.int32)
         seq_cpu = (pos.cpu() + 1).to(torch.int32)
         blk = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
         slot = blk.to(torch.int64) * block_size + pos % block_size
         dev = pos.device
-        cm = CommonAttentionMetadata(
+        cm = self._CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_cpu.to(dev), seq_lens_cpu_upper_bound=seq_cpu,
             num_reqs=B, num_actual_tokens=B, max_query_len=1,
