@@ -17,47 +17,16 @@ logits and differ only in summation order; the observed relative error is about 
 from __future__ import annotations
 
 import importlib.util
-import os
-import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kernels_testing import InterpreterProcess
 
 from vllm_selfspec.kernels import lm_head_argmax as lm
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 PROB_TOL = dict(rtol=2e-5, atol=1e-7)
-WORKER = Path(__file__).with_name("triton_interpreter_worker.py")
-
-
-class InterpreterProcess:
-    """Calls functions of ``triton_interpreter_worker.py`` in a TRITON_INTERPRET=1 child process."""
-
-    def __init__(self):
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-    def __call__(self, name, *args, **kwargs):
-        pickle.dump((name, args, kwargs), self.proc.stdin)
-        self.proc.stdin.flush()
-        try:
-            status, value = pickle.load(self.proc.stdout)
-        except EOFError:
-            raise AssertionError(f"interpreter worker exited with {self.proc.wait()} (see its stderr)")
-        if status == "error":
-            exc, child_traceback = value
-            exc.add_note(f"raised in the interpreter worker:\n{child_traceback}")
-            raise exc
-        return value
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

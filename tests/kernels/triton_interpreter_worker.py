@@ -23,31 +23,69 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from vllm_selfspec.kernels import lm_head_argmax as lm  # noqa: E402
+from vllm_selfspec.kernels import paged_attention as pa  # noqa: E402
+
+
+def _forced(module, kernel_names, dispatcher, *args, **kwargs):
+    """``dispatcher(*args, **kwargs)`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (its result, the
+    number of launches of each of ``module``'s kernels named in ``kernel_names``)."""
+    kernels = {name: getattr(module, name) for name in kernel_names}
+    launches = dict.fromkeys(kernel_names, 0)
+
+    class CountingKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return kernels[self.name][grid]
+
+    os.environ[module.FORCE_TRITON_ENV] = "1"
+    for name in kernel_names:
+        setattr(module, name, CountingKernel(name))
+    try:
+        return dispatcher(*args, **kwargs), launches
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+        del os.environ[module.FORCE_TRITON_ENV]
 
 
 def forced_dispatch(*args, **kwargs):
     """``lm_head_argmax`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (its result, kernel launches)."""
-    kernel = lm._lm_head_argmax_partial_kernel
-    launches = []
+    result, launches = _forced(lm, ["_lm_head_argmax_partial_kernel"], lm.lm_head_argmax, *args, **kwargs)
+    return result, launches["_lm_head_argmax_partial_kernel"]
 
-    class CountingKernel:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
 
-    os.environ[lm.FORCE_TRITON_ENV] = "1"
-    lm._lm_head_argmax_partial_kernel = CountingKernel()
-    try:
-        return lm.lm_head_argmax(*args, **kwargs), len(launches)
-    finally:
-        lm._lm_head_argmax_partial_kernel = kernel
-        del os.environ[lm.FORCE_TRITON_ENV]
+def forced_paged_attention(query, key, value, kv_cache, **kwargs):
+    """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (output, the cache as written,
+    launches per kernel). The cache comes back because the parent's copy is not the one written."""
+    out, launches = _forced(pa, ["_write_kv_kernel", "_paged_attention_partial_kernel"],
+                            pa.paged_attention, query, key, value, kv_cache, **kwargs)
+    return out, kv_cache, launches
+
+
+def paged_attention_triton(query, key, value, kv_cache, **kwargs):
+    """``paged_attention_triton``; returns (output, the cache as written)."""
+    return pa.paged_attention_triton(query, key, value, kv_cache, **kwargs), kv_cache
+
+
+def write_kv_triton(key, value, kv_cache, slot_mapping):
+    """``write_kv_triton``; returns the cache as written."""
+    pa.write_kv_triton(key, value, kv_cache, slot_mapping)
+    return kv_cache
 
 
 FUNCTIONS = {
     "lm_head_argmax_triton": lm.lm_head_argmax_triton,
     "forced_dispatch": forced_dispatch,
     "kernel_is_interpreted": lambda: isinstance(lm._lm_head_argmax_partial_kernel, InterpretedFunction),
+    "paged_attention_triton": paged_attention_triton,
+    "forced_paged_attention": forced_paged_attention,
+    "write_kv_triton": write_kv_triton,
+    "paged_kernels_are_interpreted": lambda: all(
+        isinstance(k, InterpretedFunction)
+        for k in (pa._write_kv_kernel, pa._paged_attention_partial_kernel)),
 }
 
 
