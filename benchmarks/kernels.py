@@ -4,9 +4,11 @@
 
 With CUDA: times the Triton shadow-token LM-head kernel and the reference on GPU-shaped inputs
 (bfloat16; SmolLM2-135M and Llama-3-8B LM heads, N = layers x (gamma + 1) shadow rows) and reports the
-peak extra GPU memory of each. Without CUDA the Triton side is skipped (the interpreter that the tests
-use on CPU is a correctness tool, not a speed measure) and only the CPU reference is timed, on the
-embedded model's shapes. Times are medians over ``--repeats`` runs after one warm-up run.
+peak extra GPU memory of each; then the paged-attention decode kernels (cache write + attention for A
+active tokens of one layer) against their reference, on SmolLM2-135M and Llama-3-8B attention shapes.
+Without CUDA the Triton side is skipped (the interpreter that the tests use on CPU is a correctness
+tool, not a speed measure) and only the CPU references are timed, on the embedded model's shapes.
+Times are medians over ``--repeats`` runs after one warm-up run.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch
 from vllm_selfspec.kernels.lm_head_argmax import (HAS_TRITON, lm_head_argmax_reference,
                                                   lm_head_argmax_triton)
 from vllm_selfspec.kernels.memory import MIB
+from vllm_selfspec.kernels.paged_attention import (paged_attention_reference,
+                                                   paged_attention_triton)
 
 # (name, shadow rows N, vocab V, hidden d)
 SMOLLM2 = [("SmolLM2-135M, 1 layer x (4+1)", 5, 49152, 576),
@@ -83,15 +87,89 @@ def bench_cpu(repeats: int) -> None:
                   f"{n * v * 4 / MIB:19.1f}")
 
 
+# (name, num_q_heads, num_kv_heads, head_size) of one attention layer; KV blocks of 16 tokens
+ATTN_SMOLLM2 = ("SmolLM2-135M", 9, 3, 64)
+ATTN_LLAMA3_8B = ("Llama-3-8B", 32, 8, 128)
+BLOCK_SIZE = 16
+
+
+def make_paged_inputs(num_tokens: int, context: int, heads: tuple, dtype: torch.dtype, device: str):
+    """``num_tokens`` decode rows, each its own request at position ``context - 1``, over shuffled
+    KV blocks (as a long-running server's block table looks)."""
+    _, num_q_heads, num_kv_heads, head_size = heads
+    g = torch.Generator(device="cpu").manual_seed(0)
+    blocks_per_req = -(-context // BLOCK_SIZE)
+    num_blocks = num_tokens * blocks_per_req
+    block_table = torch.randperm(num_blocks, generator=g).view(num_tokens, blocks_per_req).int()
+    positions = torch.full((num_tokens,), context - 1)
+    req_indices = torch.arange(num_tokens)
+    slots = block_table.long()[req_indices, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    query = randn(num_tokens, num_q_heads, head_size)
+    key, value = randn(num_tokens, num_kv_heads, head_size), randn(num_tokens, num_kv_heads, head_size)
+    kv_cache = randn(num_blocks, num_kv_heads, BLOCK_SIZE, 2 * head_size)
+    kwargs = dict(slot_mapping=slots, block_table=block_table, req_indices=req_indices, positions=positions)
+    kwargs = {k: v.to(device) for k, v in kwargs.items()}
+    return (query, key, value, kv_cache), dict(kwargs, scale=head_size ** -0.5)
+
+
+def bench_paged_gpu(repeats: int) -> None:
+    print(f"device: {torch.cuda.get_device_name()}  (bfloat16, cache write + attention, "
+          f"block size {BLOCK_SIZE}; A tokens, each its own request)")
+    print(f"{'shape':40} {'impl':10} {'median ms':>10} {'peak extra MiB':>15}")
+    for heads in (ATTN_SMOLLM2, ATTN_LLAMA3_8B):
+        for num_tokens, context in ((1, 2048), (8, 2048), (64, 2048), (8, 16384)):
+            args, kwargs = make_paged_inputs(num_tokens, context, heads, torch.bfloat16, "cuda")
+            ref = paged_attention_reference(*args, **kwargs)
+            got = paged_attention_triton(*args, **kwargs)
+            err = (got.float() - ref.float()).abs().max().item()
+            name = f"{heads[0]}, A={num_tokens}, context {context}"
+            for impl_name, impl in (("triton", paged_attention_triton),
+                                    ("reference", paged_attention_reference)):
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                seconds = median_seconds(lambda: impl(*args, **kwargs), repeats, torch.cuda.synchronize)
+                peak = (torch.cuda.max_memory_allocated() - base) / MIB
+                print(f"{name:40} {impl_name:10} {seconds * 1e3:10.3f} {peak:15.1f}")
+            print(f"{'':40} max |triton - reference|: {err:.2e}")
+
+
+def bench_paged_cpu(repeats: int) -> None:
+    print("paged_attention triton: skip: no GPU (no CUDA device; the Triton kernels are only checked "
+          "for correctness on CPU, in the interpreter)")
+    print(f"CPU reference only, {torch.get_num_threads()} threads (1-min load average "
+          f"{os.getloadavg()[0]:.1f}), cache write + attention, block size {BLOCK_SIZE}, "
+          f"A tokens, each its own request, median of {repeats} runs")
+    print(f"{'shape':40} {'dtype':9} {'median ms':>10} {'gathered K/V MiB':>17}")
+    _, _, num_kv_heads, head_size = ATTN_SMOLLM2
+    for num_tokens, context in ((1, 512), (8, 512), (64, 512), (8, 2048)):
+        for dtype in (torch.float32, torch.bfloat16):
+            args, kwargs = make_paged_inputs(num_tokens, context, ATTN_SMOLLM2, dtype, "cpu")
+            seconds = median_seconds(lambda: paged_attention_reference(*args, **kwargs), repeats)
+            gathered = num_tokens * context * num_kv_heads * 2 * head_size * 4 / MIB  # float32 copy
+            print(f"{ATTN_SMOLLM2[0] + f', A={num_tokens}, context {context}':40} "
+                  f"{str(dtype).removeprefix('torch.'):9} {seconds * 1e3:10.2f} {gathered:17.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
+    gpu = torch.cuda.is_available() and HAS_TRITON
     print("== lm_head_argmax (batched shadow-token LM-head projection)")
-    if torch.cuda.is_available() and HAS_TRITON:
+    if gpu:
         bench_gpu(args.repeats)
     else:
         bench_cpu(args.repeats)
+    print("\n== paged_attention (decode attention for a subset of the batch over the paged KV cache)")
+    if gpu:
+        bench_paged_gpu(args.repeats)
+    else:
+        bench_paged_cpu(args.repeats)
 
 
 if __name__ == "__main__":
