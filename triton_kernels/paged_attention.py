@@ -15,10 +15,10 @@ entered at that depth). For that subset the engine needs:
   read through the block table. Every write happens before any read, so several tokens of one
   request at consecutive positions (AdaDecode's deferred tokens) see each other's new K/V.
 
-KV-cache layout (vLLM 0.32, FlashAttention, the default CUDA backend for Llama on SM 8.x/9.x:
-``vllm/platforms/cuda.py:167-178``): each layer's cache is the logical view
-``kv_cache[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (``flash_attn.py:1196-1197``);
-per token and head the last axis holds the key then the value:
+KV-cache layout (vLLM 0.32, FlashAttention, the first-priority CUDA backend for Llama on
+SM 8.x/9.x: ``vllm/platforms/cuda.py:166-179``; SM 10.x prefers FlashInfer, ``:158-165``): each
+layer's cache is the logical view ``kv_cache[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+(``flash_attn.py:1196-1197``); per token and head the last axis holds the key then the value:
 ``key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)``
 (``vllm/v1/attention/backends/flash_attn.py:1252`` for attention, ``:1443`` for the cache write).
 The *physical* order is a separate choice (``vllm/v1/kv_cache_layout.py:15-28``,
@@ -28,7 +28,7 @@ i.e. memory ``[layer][block][token][kv head][K | V]``; the per-layer tensor is a
 ``as_strided`` view (``vllm/v1/kv_cache_interface.py:377-441``). Both paths here take the logical
 view with whatever strides it has, so any ``KVCacheLayout`` works. The older
 ``[2, num_blocks, block_size, num_kv_heads, head_size]`` layout is *not* what vLLM 0.32 uses.
-vLLM's CPU backend stores its cache differently (``cpu_attn.py:410-414``: K rows, then V rows, per
+vLLM's CPU backend stores its cache differently (``cpu_attn.py:411-416``: K rows, then V rows, per
 block and head, in ISA-specific kernels), so a CPU-backend cache is not readable here.
 
 Numerics (the spec, shared by both paths): scores ``q . k`` with inputs in their dtype and products
