@@ -262,7 +262,7 @@ if HAS_TRITON:
         run_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
 
-        start = s * chunk
+        start = s.to(tl.int64) * chunk
         end = tl.minimum(start + chunk, context)
         for n0 in range(start, end, BLOCK_N):  # every tile holds >= 1 valid position
             n = n0 + tl.arange(0, BLOCK_N)
@@ -322,18 +322,18 @@ def attend_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
 
     Grid: (tokens, KV heads, context splits). Each program keeps its GROUP query heads as one
     ``[BLOCK_G, head_size]`` tile, so K/V are read once per KV head, not once per query head.
-    ``num_splits`` overrides the split heuristic (tests use it); ``max_context`` (the longest
-    ``position + 1``) spares the heuristic a device-to-host read of ``positions.max()`` when it
-    wants to split. The ``[splits, A, num_q_heads]`` partials are combined in PyTorch.
+    ``num_splits`` overrides the split heuristic (tests use it); ``max_context`` (at least every
+    ``position + 1``: positions past it would be dropped when the context is split) spares the
+    heuristic a device-to-host read of ``positions.max()`` when it wants to split. The
+    ``[splits, A, num_q_heads]`` partials are combined in PyTorch.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[1]
     if num_tokens == 0:
         return query.new_empty(query.shape)
     target = _target_programs(query.device)
-    if num_splits is not None or num_tokens * num_kv_heads < target:
-        if max_context is None:
-            max_context = int(positions.max()) + 1
+    if max_context is None and (num_splits is not None or num_tokens * num_kv_heads < target):
+        max_context = int(positions.max()) + 1  # only needed to split the context
     if num_splits is None:
         splits, chunk = launch_config(num_tokens, num_kv_heads, max_context, target)
     else:

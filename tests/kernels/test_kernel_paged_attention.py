@@ -130,6 +130,8 @@ def test_context_split_paths_agree(interp, num_splits):
     assert_same(case.run_kernel(interp, num_splits=num_splits), case.run_reference(), F32_TOL)
     if num_splits is None:  # 3 programs < 8 targeted by the heuristic in the interpreter
         assert pa.launch_config(3, 1, 300)[0] > 1
+        given = case.run_kernel(interp, max_context=300)  # the caller's bound instead of positions.max()
+        assert_same(given, case.run_reference(), F32_TOL)
 
 
 def test_float16_and_custom_scale(interp):
