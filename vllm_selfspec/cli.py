@@ -1,4 +1,5 @@
-"""``vllm-selfspec`` command line: prepare-model | demo | bench | train-heads | eval-heads."""
+"""``vllm-selfspec`` command line: prepare-model | build-vocab | demo | bench | train-heads |
+eval-heads."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,24 @@ def _prepare_model(args) -> int:
     from .models import prepare_embedded_model
 
     print(prepare_embedded_model(force=args.force))
+    return 0
+
+
+def _build_vocab(args) -> int:
+    from .models import resolve_model
+    from .vocab import DEFAULT_SOURCES, build_vocab, cached_vocab, coverage
+
+    model = resolve_model(args.model)
+    found = cached_vocab(model)
+    if found is not None and not args.force and args.out is None:
+        print(found)
+        return 0
+    out = build_vocab(model, args.out, sources=args.sources or DEFAULT_SOURCES,
+                      max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts)
+    cov = coverage(out, [1024, 4096, 8192, 16384])
+    print("coverage of the corpus by the top-N tokens: "
+          + ", ".join(f"{n}: {c:.1%}" for n, c in cov.items()), file=sys.stderr)
+    print(out)
     return 0
 
 
@@ -78,6 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare-model", help="convert the embedded GGUF model to an HF checkpoint")
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.set_defaults(func=_prepare_model)
+
+    p = sub.add_parser("build-vocab", help="token-frequency map for draft_vocab_size (counts "
+                                          "the model's own generations; cached per model)")
+    p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")
+    p.add_argument("--out", default=None,
+                   help="map directory (default: $VLLM_SELFSPEC_HOME/vocab/<model>-<hash>)")
+    p.add_argument("--sources", default=None,
+                   help="prompt corpus: pydoc, chat, humaneval and/or JSONL files (default pydoc)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument("--force", action="store_true", help="build again even if cached")
+    p.set_defaults(func=_build_vocab)
 
     p = sub.add_parser("demo", help="vanilla vLLM vs a self-spec method on a few prompts")
     p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")

@@ -31,6 +31,9 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
 ``EagleModelMixin.set_aux_hidden_state_layers``         hidden-state capture in verification
 ``get_tp_group().broadcast_object``                     rank 0's measured step costs to every rank
 ``get_tensor_model_parallel_rank``, ``embed_tokens``    trained heads' model fingerprint (rank 0)
+``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
+``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
+  ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 =====================================================  ==============================================
 """
 from __future__ import annotations
@@ -84,6 +87,14 @@ def base_worker_class():
     from vllm.v1.worker.gpu_worker import Worker
 
     return Worker
+
+
+def async_llm_class():
+    """vLLM's V1 front-end engine of the OpenAI server (its ``collective_rpc`` reaches the
+    workers)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM
 
 
 def vllm_spec_methods() -> list[str]:
@@ -181,6 +192,25 @@ class LlamaLayout:
         self.compute_logits = model.compute_logits
         self.embed_weight = inner.embed_tokens.weight  # a vocab shard under TP (rank 0: rows 0..)
         self.attn_layer_names = [layer.self_attn.attn.layer_name for layer in inner.layers]
+        proc = model.logits_processor
+        self.logit_scale, self.logit_soft_cap = proc.scale, proc.soft_cap
+
+    def lm_head_rows(self, ids):
+        """Rows ``ids`` of the LM-head weight [len(ids), d], replicated on every TP rank (vLLM's
+        head is sharded by vocabulary: each rank fills the rows it owns, then an all-reduce)."""
+        import torch
+        from vllm.distributed import get_tp_group
+
+        head = self.model.lm_head
+        w = head.weight
+        start = head.shard_indices.org_vocab_start_index
+        end = head.shard_indices.org_vocab_end_index
+        ids = ids.to(w.device)
+        mine = (ids >= start) & (ids < end)
+        rows = torch.zeros(len(ids), w.shape[1], dtype=w.dtype, device=w.device)
+        rows[mine] = w[ids[mine] - start]
+        group = get_tp_group()
+        return rows if group.world_size == 1 else group.all_reduce(rows)
 
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:
         self.model.set_aux_hidden_state_layers(tuple(layers))

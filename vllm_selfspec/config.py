@@ -9,7 +9,9 @@ The same JSON works everywhere vLLM takes a speculative config::
 
 Keys: ``method`` (a selfspec method), ``num_speculative_tokens`` (the draft length, or its upper
 bound for adaptive methods), ``capture_tokens`` (rows of verified-token hidden states handed to
-the policy per request and step) and the method's own options (see ``policies/<method>.py``).
+the policy per request and step), ``draft_vocab_size`` (draft logits over the N most frequent
+tokens only; null: the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
+the model's cached one, see ``vocab.py``) and the method's own options (``policies/<method>.py``).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Any, Mapping
 from .policies import POLICIES, ModelInfo
 
 #: config keys shared by every method, with defaults
-COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32}
+COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32,
+                                  "draft_vocab_size": None, "draft_vocab": "auto"}
 #: vLLM's MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py)
 MAX_SPECULATIVE_TOKENS = 128
 #: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
@@ -76,6 +79,8 @@ class SelfSpecConfig:
     num_speculative_tokens: int
     capture_tokens: int
     options: dict[str, Any] = field(default_factory=dict)
+    draft_vocab_size: int | None = None
+    draft_vocab: str | None = "auto"  # a map directory once resolved
 
     @classmethod
     def load(cls, spec: Any) -> "SelfSpecConfig":
@@ -100,11 +105,22 @@ class SelfSpecConfig:
         cap = merged.pop("capture_tokens")
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             raise SelfSpecConfigError(f"capture_tokens must be a positive integer, got {cap!r}")
-        return cls(method=method, num_speculative_tokens=k, capture_tokens=cap, options=merged)
+        n_vocab, vocab = merged.pop("draft_vocab_size"), merged.pop("draft_vocab")
+        if n_vocab is not None and (not isinstance(n_vocab, int) or isinstance(n_vocab, bool)
+                                    or n_vocab < 1):
+            raise SelfSpecConfigError(
+                f"draft_vocab_size must be a positive integer or null (the full vocabulary), "
+                f"got {n_vocab!r}")
+        if not isinstance(vocab, str) or not vocab:
+            raise SelfSpecConfigError(
+                f"draft_vocab must be \"auto\" or a draft-vocabulary directory, got {vocab!r}")
+        return cls(method=method, num_speculative_tokens=k, capture_tokens=cap, options=merged,
+                   draft_vocab_size=n_vocab, draft_vocab=vocab)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "capture_tokens": self.capture_tokens, **self.options}
+                "capture_tokens": self.capture_tokens, "draft_vocab_size": self.draft_vocab_size,
+                "draft_vocab": self.draft_vocab, **self.options}
 
     def validate_for_model(self, model: ModelInfo) -> None:
         if model.architecture not in SUPPORTED_ARCHITECTURES:
@@ -115,14 +131,48 @@ class SelfSpecConfig:
             POLICIES[self.method].validate(self.options, model)
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
+        if self.draft_vocab_size is not None:
+            self._validate_draft_vocab(model)
+
+    def _validate_draft_vocab(self, model: ModelInfo) -> None:
+        from .vocab import DraftVocabError, read_config
+
+        n, path = self.draft_vocab_size, self.draft_vocab
+        if n > model.vocab_size:
+            raise SelfSpecConfigError(f"draft_vocab_size={n} exceeds the model's vocabulary "
+                                      f"of {model.vocab_size} tokens")
+        if path == "auto":  # resolved() finds the map (or says how to build it)
+            return
+        try:
+            base = read_config(path)["base_model"]
+        except DraftVocabError as e:
+            raise SelfSpecConfigError(f"draft_vocab: {e}") from e
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if base[key] != getattr(model, key):
+                raise SelfSpecConfigError(
+                    f"draft_vocab: the map in {path} was built for a model with {key}="
+                    f"{base[key]}, this model has {getattr(model, key)}")
 
     def resolved(self, model_path: str) -> "SelfSpecConfig":
+        """Machine-dependent defaults made concrete once, in the front end ("auto" paths)."""
         try:
             options = POLICIES[self.method].resolve(dict(self.options), model_path)
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
+        vocab = self.draft_vocab
+        if self.draft_vocab_size is not None and vocab == "auto":
+            from .vocab import cached_vocab, default_vocab_dir
+
+            found = cached_vocab(model_path)
+            if found is None:
+                raise SelfSpecConfigError(
+                    f"draft_vocab_size needs the model's token-frequency map, and none is "
+                    f"cached at {default_vocab_dir(model_path)}: build it once with "
+                    f"`vllm-selfspec build-vocab --model {model_path}` (a few minutes), or "
+                    f"set draft_vocab to a map directory")
+            vocab = str(found)
         return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
-                              options)
+                              options, self.draft_vocab_size, vocab)
 
     def make_policy(self, model: ModelInfo):
         return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

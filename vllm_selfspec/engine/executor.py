@@ -28,6 +28,15 @@ class PlanExecutor:
         #: pre-norm residual stream; the model's own final norm + LM head then give the logits.
         #: ``"lm_head"`` (no transform) is always there.
         self.heads: dict[str, torch.nn.Module] = {}
+        #: the reduced draft vocabulary (``set_draft_vocab``): logits column j is token
+        #: ``vocab_ids[j]``; None = the full vocabulary (column j is token j)
+        self.vocab_ids: torch.Tensor | None = None
+        self.vocab_weight: torch.Tensor | None = None  # their LM-head rows
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Draft logits over the tokens ``ids`` only (their LM-head rows, copied once)."""
+        self.vocab_weight = self.layout.lm_head_rows(ids)
+        self.vocab_ids = ids.to(self.vocab_weight.device)
 
     def run(self, plan: LayerPlan, input_ids: torch.Tensor,
             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -50,12 +59,24 @@ class PlanExecutor:
         return h, res
 
     def logits(self, plan: LayerPlan, h: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
-        """Logits of the plan's head. The LM-head path uses the model's fused final add+RMSNorm,
-        bit-identical to the target's own last step."""
+        """Logits of the plan's head over the draft vocabulary (see ``vocab_ids``). The LM-head
+        path uses the model's fused final add+RMSNorm, bit-identical to the target's own last
+        step (over the full vocabulary)."""
         if plan.head == LM_HEAD:
-            return self.layout.compute_logits(_norm(self.layout.norm, h, res)[0])
-        head = self.heads.get(plan.head)
-        if head is None:
-            raise KeyError(f"plan asks for head {plan.head!r}, loaded: {sorted(self.heads)}")
-        x = h if res is None else h + res
-        return self.layout.compute_logits(self.layout.norm(head.transform(x)))
+            x = _norm(self.layout.norm, h, res)[0]
+        else:
+            head = self.heads.get(plan.head)
+            if head is None:
+                raise KeyError(f"plan asks for head {plan.head!r}, loaded: {sorted(self.heads)}")
+            x = self.layout.norm(head.transform(h if res is None else h + res))
+        return self.project(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows -> logits over the draft vocabulary."""
+        if self.vocab_weight is None:
+            return self.layout.compute_logits(x)
+        lay = self.layout
+        logits = torch.nn.functional.linear(x, self.vocab_weight)
+        if lay.logit_soft_cap is not None:  # as vLLM's LogitsProcessor
+            logits = torch.tanh(logits / lay.logit_soft_cap) * lay.logit_soft_cap
+        return logits * lay.logit_scale if lay.logit_scale != 1.0 else logits

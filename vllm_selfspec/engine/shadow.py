@@ -5,6 +5,8 @@ and one TP rank, all layers go through one call of the fused LM-head argmax kern
 (``vllm_selfspec.kernels.lm_head_argmax``: Triton on CUDA, its PyTorch reference on CPU), which
 never materialises the [rows, vocab] logits on GPU. Trained heads, or a vocabulary sharded over TP
 ranks, take vLLM's own final norm + ``compute_logits`` path (which all-gathers the logits).
+With a reduced draft vocabulary (``draft_vocab_size``) shadow tokens read the same N tokens the
+draft does, so the statistics describe the draft that will actually run.
 """
 from __future__ import annotations
 
@@ -26,20 +28,26 @@ class ShadowProjector:
         """hidden [n_layers, rows, d] (pre-norm stream), heads[j] for layer j ->
         (tokens [n_layers, rows] int64, probs [n_layers, rows] float32), both on the CPU."""
         n, rows, d = hidden.shape
-        lay = self.executor.layout
+        ex = self.executor
+        lay = ex.layout
         if self.fused and all(h == LM_HEAD for h in heads):
-            weight = lay.model.lm_head.weight[: self.vocab_size]
+            weight = (ex.vocab_weight if ex.vocab_ids is not None
+                      else lay.model.lm_head.weight[: self.vocab_size])
             ids, prob, _ = lm_head_argmax(hidden.reshape(n * rows, d), weight,
                                           norm_weight=lay.norm.weight,
                                           eps=lay.norm.variance_epsilon)
-            return ids.view(n, rows).cpu(), prob.view(n, rows).float().cpu()
-        tokens, probs = [], []
-        for j, name in enumerate(heads):
-            x = hidden[j]
-            if name != LM_HEAD:
-                x = self.executor.heads[name].transform(x)
-            logits = lay.compute_logits(lay.norm(x)).float()
-            p, t = torch.softmax(logits, dim=-1).max(dim=-1)
-            tokens.append(t)
-            probs.append(p)
-        return torch.stack(tokens).cpu(), torch.stack(probs).cpu()
+            tokens, probs = ids.view(n, rows), prob.view(n, rows).float()
+        else:
+            tokens, probs = [], []
+            for j, name in enumerate(heads):
+                x = hidden[j]
+                if name != LM_HEAD:
+                    x = ex.heads[name].transform(x)
+                logits = ex.project(lay.norm(x)).float()
+                p, t = torch.softmax(logits, dim=-1).max(dim=-1)
+                tokens.append(t)
+                probs.append(p)
+            tokens, probs = torch.stack(tokens), torch.stack(probs)
+        if ex.vocab_ids is not None:  # draft-vocabulary columns -> token ids
+            tokens = ex.vocab_ids[tokens]
+        return tokens.cpu(), probs.cpu()

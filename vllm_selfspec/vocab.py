@@ -1,0 +1,192 @@
+"""The reduced draft vocabulary: a token-frequency map of a model (the idea of EAGLE-3's draft
+vocabulary and FR-Spec).
+
+A draft step reads its logits through the LM head; on a small model the head is a large part of
+the step (SmolLM2-135M: 49,152 x 576, a fifth of the weights). With ``draft_vocab_size: N`` the
+draft computes logits only over the N tokens the model itself generates most often. Verification
+always uses the full vocabulary, so greedy output stays token-identical; a token outside the N can
+still be emitted, only not drafted.
+
+The map counts the tokens of the model's own greedy generations on an offline prompt corpus, and
+of the corpus prompts themselves (by default Python's documentation, ``pydoc_data``, as raw text to
+continue and as chat requests — no benchmark prompt), once per model (``vllm-selfspec
+build-vocab``), and is cached beside the trained heads. Tokens never seen rank by id: BPE
+vocabularies give lower ids to earlier (more frequent) merges. On disk, in the heads' format family (docs/heads.md)::
+
+    DIR/config.json         format, version, base-model identity (fingerprint), corpus facts
+    DIR/vocab.safetensors   "token_ids": every token id by descending count (ties: lower id)
+                            "counts":    their counts
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .heads.identity import ModelIdentity
+
+FORMAT = "vllm-selfspec-draft-vocab"
+VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "vocab.safetensors"
+DEFAULT_SOURCES = "pydoc"
+
+
+class DraftVocabError(ValueError):
+    """A draft-vocabulary directory that is missing, malformed or for another model."""
+
+
+def ranking(counts: torch.Tensor) -> torch.Tensor:
+    """Token ids by descending count, ties broken by the lower id (deterministic)."""
+    return torch.sort(counts.to(torch.int64), descending=True, stable=True).indices
+
+
+def count_tokens(sequences: list[list[int]], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for seq in sequences:
+        if seq:
+            counts += torch.bincount(torch.tensor(seq, dtype=torch.int64), minlength=vocab_size)
+    return counts
+
+
+def save_vocab(out: str | Path, counts: torch.Tensor, identity: ModelIdentity,
+               corpus: dict[str, Any]) -> Path:
+    """Write the map atomically (a temp dir renamed over ``out``)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if counts.numel() != identity.vocab_size:
+        raise ValueError(f"{counts.numel()} counts for a vocabulary of {identity.vocab_size}")
+    config = {"format": FORMAT, "version": VERSION, "base_model": identity.to_dict(),
+              "corpus": corpus}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        order = ranking(counts)
+        save_file({"token_ids": order.contiguous(), "counts": counts[order].contiguous()},
+                  str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    f = Path(path) / CONFIG_FILE
+    if not f.is_file():
+        raise DraftVocabError(f"{path} is not a draft-vocabulary directory: no {CONFIG_FILE}")
+    config = json.loads(f.read_text())
+    if config.get("format") != FORMAT or config.get("version") != VERSION:
+        raise DraftVocabError(f"{f}: expected format {FORMAT!r} version {VERSION}, got "
+                              f"{config.get('format')!r} version {config.get('version')!r}")
+    return config
+
+
+def load_vocab(path: str | Path, size: int, *, expect: ModelIdentity | None) -> torch.Tensor:
+    """The ``size`` most frequent token ids [size] int64 (in rank order). ``expect``: the model
+    at hand; a map built for another model raises ``HeadsMismatchError``."""
+    from safetensors.torch import load_file
+
+    config = read_config(path)
+    identity = ModelIdentity.from_dict(config["base_model"])
+    if expect is not None:
+        identity.check(expect, what=f"the draft vocabulary in {path}")
+    ids = load_file(str(Path(path) / WEIGHTS_FILE))["token_ids"]
+    V = identity.vocab_size
+    if ids.shape != (V,) or not torch.equal(torch.sort(ids).values, torch.arange(V)):
+        raise DraftVocabError(f"{path}: token_ids must be a permutation of the {V} token ids")
+    if not 1 <= size <= V:
+        raise DraftVocabError(f"draft_vocab_size must be in [1, {V}], got {size}")
+    return ids[:size].clone()
+
+
+def coverage(path: str | Path, sizes: list[int]) -> dict[int, float]:
+    """Share of the corpus tokens the top-N tokens cover, per N."""
+    from safetensors.torch import load_file
+
+    counts = load_file(str(Path(path) / WEIGHTS_FILE))["counts"].double()
+    total = float(counts.sum()) or 1.0
+    return {n: float(counts[:n].sum()) / total for n in sizes}
+
+
+# ----------------------------------------------------------------------------- where maps live
+def default_vocab_dir(model_path: str | Path) -> Path:
+    """``$VLLM_SELFSPEC_HOME/vocab/<model dir name>-<hash of its resolved path>``."""
+    import hashlib
+
+    from .models import home
+
+    p = Path(model_path).resolve()
+    key = hashlib.sha256(str(p).encode()).hexdigest()[:10]
+    return home() / "vocab" / f"{p.name}-{key}"
+
+
+def cached_vocab(model_path: str | Path) -> Path | None:
+    d = default_vocab_dir(model_path)
+    return d if (d / CONFIG_FILE).is_file() else None
+
+
+def identity_from_checkpoint(model_path: str | Path) -> ModelIdentity:
+    """The model identity (heads.identity) from an HF checkpoint's config and safetensors,
+    reading only the two fingerprinted tensors."""
+    from safetensors import safe_open
+
+    from .heads.identity import identity_from_tensors
+
+    root = Path(model_path)
+    cfg = json.loads((root / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    names = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+    found: dict[str, torch.Tensor] = {}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for key, name in names.items():
+                if key not in found and name in sf.keys():
+                    found[key] = sf.get_tensor(name)
+    if len(found) != 2:
+        raise DraftVocabError(f"{model_path}: no {sorted(names.values())} in its safetensors "
+                              f"files (a Llama-family HF checkpoint is expected)")
+    return identity_from_tensors(
+        architecture=(cfg.get("architectures") or ["?"])[0],
+        num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"], embed_weight=found["embed"], norm_weight=found["norm"])
+
+
+# ----------------------------------------------------------------------------- building a map
+def build_vocab(model_path: str, out: str | Path | None = None, *,
+                sources: str = DEFAULT_SOURCES, max_new_tokens: int = 128,
+                max_prompts: int | None = None, batch_size: int = 32) -> Path:
+    """Count the model's own greedy generations (vanilla vLLM) on ``sources`` and save the map.
+    Call from a ``__main__``-guarded program (vLLM starts worker processes)."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from .heads.data import load_corpus
+
+    out = Path(out) if out is not None else default_vocab_dir(model_path)
+    identity = identity_from_checkpoint(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = [p.text for p in load_corpus(sources, tokenizer, model_path)][:max_prompts]
+    t0 = time.perf_counter()
+    llm = LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=2048,
+              gpu_memory_utilization=0.3, seed=0, max_num_seqs=batch_size)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens),
+                           use_tqdm=False)
+    generated = count_tokens([list(o.outputs[0].token_ids) for o in outputs],
+                             identity.vocab_size)
+    prompt = count_tokens([list(o.prompt_token_ids) for o in outputs], identity.vocab_size)
+    counts = generated + prompt
+    corpus = {"sources": sources, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+              "generated_tokens": int(generated.sum()), "prompt_tokens": int(prompt.sum()),
+              "distinct_tokens": int((counts > 0).sum()),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    del llm
+    return save_vocab(out, counts, identity, corpus)
