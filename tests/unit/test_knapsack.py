@@ -184,3 +184,68 @@ def test_select_uses_verify_ratio():
     assert flat.gamma == 8 and steep.gamma < flat.gamma
     assert math.isfinite(steep.tpt) and steep.tpt < flat.tpt
     assert mean_cosine(dp.states, dp.reference).shape == (len(dp.budgets),)
+
+
+# ---- the policy ----------------------------------------------------------------------------------
+def _policy(L=3, **opts):
+    from vllm_selfspec.policies import ModelInfo
+    from vllm_selfspec.policies.knapspec import KnapSpecPolicy
+
+    info = ModelInfo(num_layers=L, hidden_size=D, vocab_size=5, architecture="LlamaForCausalLM")
+    return KnapSpecPolicy({**KnapSpecPolicy.options, **opts}, info, 4)
+
+
+def _feedback(n, m, L=3):
+    from vllm_selfspec.policies import Feedback
+
+    return Feedback(0, 0, n, hidden=torch.randn(L + 1, m, D), targets=torch.zeros(m, dtype=torch.long))
+
+
+@pytest.mark.parametrize("opts, match", [({"interval": 0}, "interval"),
+                                         ({"tau": 2}, "tau"), ({"history_rounds": 1.5}, "history"),
+                                         ({"min_confidence": "high"}, "min_confidence")])
+def test_policy_rejects_bad_options(opts, match):
+    with pytest.raises(ValueError, match=f"knapspec: {match}"):
+        _policy(**opts)
+
+
+def test_policy_history_interval_and_weight_change():
+    p = _policy(interval=3, history_rounds=2)
+    assert p.capture_layers == (0, 1, 2, 3) and p.min_confidence == 0.7
+    st = p.new_state()
+    p.observe(st, _feedback(n=20, m=8))  # prefill: rows at positions 11..18
+    assert st.rounds[0][0] == 11 and p.wants_optimise(st)
+    assert p.propose(st).num_tokens == 0  # nothing chosen yet: plain decode
+    p.latency = LatencyModel(t_mlp=1e-3, c2=1e-7, c3=5e-4, t_head=1e-3)  # (1, 2) up to n ~ 2500
+    x0, v, sublayer, _ = offsets_model(6, [0.3] * 6)
+
+    class Model:
+        def sublayer(self, s, x, positions):
+            assert positions.tolist() == list(range(11, 11 + x.shape[1]))
+            return sublayer(s, x)
+
+        predict = staticmethod(_head(x0))
+        predict_target = None
+
+    p.optimise(st, Model())
+    d = p.propose(st)
+    assert st.steps == 0 and st.choice.weights == p.latency.weights(20)
+    assert d.num_tokens == st.choice.gamma and (d.num_tokens == 0 or d.min_confidence == 0.7)
+    p.observe(st, _feedback(n=22, m=2))  # rows 19, 20: contiguous
+    assert [f for f, _ in st.rounds] == [11, 19] and not p.wants_optimise(st)
+    p.observe(st, _feedback(n=23, m=1))
+    assert [f for f, _ in st.rounds] == [19, 21]  # history_rounds = 2
+    p.observe(st, _feedback(n=30, m=1))  # a gap: the history restarts
+    assert [f for f, _ in st.rounds] == [28]
+    assert p.wants_optimise(st)  # 3 steps since the search
+    st.steps = 0
+    assert not p.wants_optimise(st)
+    st.context_len = 9000  # t_attn grows past t_mlp: the weights change to (1, 1)
+    assert p.wants_optimise(st)
+
+
+def test_latency_target_head():
+    lm = LatencyModel(t_mlp=1e-3, c2=0.0, c3=1e-3, t_head=1e-3, t_target_head=5e-3)
+    assert lm.target_seconds(2, 10) == pytest.approx(5e-3 + 2 * 2e-3)
+    assert lm.draft_seconds(np.array([2]), np.array([1]), 10)[0] == pytest.approx(1e-3 + 3e-3)
+    assert LatencyModel.from_dict(lm.to_dict()) == lm

@@ -85,6 +85,11 @@ class Policy(ABC):
     costs: Any = None
     #: whether decisions read ``costs`` (the engine then shares rank 0's costs under TP)
     timed: bool = False
+    #: policies that search on the live model (KnapSpec) set this; the engine then measures the
+    #: sub-layer latency model once (``policies.knapsack.LatencyModel``, rank 0's under TP) and
+    #: stores it in ``latency`` before the first ``optimise``
+    needs_latency: bool = False
+    latency: Any = None
 
     @classmethod
     def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
@@ -105,6 +110,16 @@ class Policy(ABC):
     def wants_shadow(self, state: Any) -> bool:
         """Whether this step's captured rows of the request should be projected (cost control)."""
         return True
+
+    def wants_optimise(self, state: Any) -> bool:
+        """Whether the engine should call ``optimise`` for this request now (after observe)."""
+        return False
+
+    def optimise(self, state: Any, model: Any) -> None:
+        """Search the request's plan on the live model. ``model`` runs sub-layers on candidate
+        states over the request's own KV cache (``sublayer(s, states, positions)``) and predicts
+        tokens (``predict(states)``); see engine/knapsack_forward.py. Timed as "optimise"."""
+        raise NotImplementedError(f"{type(self).__name__} does not search on the model")
 
     def head_for_layer(self, layer: int) -> str:
         """The exit head drafts and shadow tokens at ``layer`` read logits from."""

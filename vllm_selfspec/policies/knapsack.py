@@ -17,9 +17,10 @@ it skips.
   ``argmax_{S, γ ≤ D} (1 − α̂^{γ+1}) / (1 − α̂) / (γ·t_draft(S, n) + t_target(γ))``. γ = 0 (no
   draft: a plain decode step) is a candidate too, chosen when no skip set pays off.
 
-Beyond the paper: the latency model also holds ``t_head``, the LM head's time, which every draft
-and target step pays (on small models it outweighs many sub-layers), and the target's time may
-grow with the tokens it verifies (``verify_ratio``, measured by the engine).
+Beyond the paper: the latency model also holds the LM head's time, which every draft and target
+step pays (on small models it outweighs many sub-layers; the draft's may be a reduced vocabulary),
+and the target's time may grow with the tokens it verifies (``verify_ratio``, measured by the
+engine).
 """
 from __future__ import annotations
 
@@ -51,11 +52,12 @@ class LatencyModel:
     t_mlp: float
     c2: float  # attention seconds per context token
     c3: float  # attention seconds at context 0
-    t_head: float = 0.0
+    t_head: float = 0.0  # the draft's LM head (a reduced draft vocabulary makes it cheaper)
+    t_target_head: float | None = None  # the target's LM head (None: same as the draft's)
 
     @classmethod
-    def fit(cls, attn: Sequence[tuple[int, float]], t_mlp: float,
-            t_head: float = 0.0) -> "LatencyModel":
+    def fit(cls, attn: Sequence[tuple[int, float]], t_mlp: float, t_head: float = 0.0,
+            t_target_head: float | None = None) -> "LatencyModel":
         """Least-squares line through (context length, attention seconds) samples; a negative
         slope (noise) is clamped to 0, leaving the mean as the constant."""
         ns = np.array([n for n, _ in attn], dtype=np.float64)
@@ -69,7 +71,8 @@ class LatencyModel:
         c3 = float(ts.mean() - c2 * ns.mean())
         if c3 <= 0:  # keep t_Attn positive at short contexts
             c3 = float(ts.min()) * 1e-3
-        return cls(t_mlp=float(t_mlp), c2=c2, c3=c3, t_head=float(t_head))
+        return cls(t_mlp=float(t_mlp), c2=c2, c3=c3, t_head=float(t_head),
+                   t_target_head=None if t_target_head is None else float(t_target_head))
 
     def t_attn(self, n: int) -> float:
         return self.c2 * n + self.c3
@@ -86,14 +89,17 @@ class LatencyModel:
         return self.t_head + n_attn * self.t_attn(n) + n_mlp * self.t_mlp
 
     def target_seconds(self, num_layers: int, n: int) -> float:
-        return self.t_head + num_layers * (self.t_attn(n) + self.t_mlp)
+        head = self.t_head if self.t_target_head is None else self.t_target_head
+        return head + num_layers * (self.t_attn(n) + self.t_mlp)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyModel":
-        return cls(**{k: float(d[k]) for k in ("t_mlp", "c2", "c3", "t_head")})
+        th = d.get("t_target_head")
+        return cls(**{k: float(d[k]) for k in ("t_mlp", "c2", "c3", "t_head")},
+                   t_target_head=None if th is None else float(th))
 
 
 # ---- (b) the parallel DP ----------------------------------------------------------------------
@@ -212,12 +218,18 @@ class Choice:
 
 
 def select(dp: DPResult, predict: PredictFn, latency: LatencyModel, num_layers: int, n: int,
-           max_draft: int, verify_ratio: Sequence[float] | None = None) -> Choice:
+           max_draft: int, verify_ratio: Sequence[float] | None = None,
+           predict_target: PredictFn | None = None) -> Choice:
     """Backtracked candidates -> α̂ (Eq. 9) -> the (S, γ) with the highest TPT (Eq. 4).
+    ``predict`` gives the draft's tokens, ``predict_target`` the target's (default: the same);
     ``verify_ratio[γ]``: verification of γ drafts relative to a plain step (default all 1)."""
     C, r, d = dp.states.shape
-    tokens = predict(torch.cat([dp.states.reshape(C * r, d), dp.reference])).cpu()
-    mine, full = tokens[:C * r].view(C, r), tokens[C * r:]
+    if predict_target is None:
+        tokens = predict(torch.cat([dp.states.reshape(C * r, d), dp.reference])).cpu()
+        mine, full = tokens[:C * r].view(C, r), tokens[C * r:]
+    else:
+        mine = predict(dp.states.reshape(C * r, d)).cpu().view(C, r)
+        full = predict_target(dp.reference).cpu()
     alpha = (mine == full.unsqueeze(0)).float().mean(1).numpy()
     n_attn, n_mlp = skip_counts(dp.skip_sets)
     draft = latency.draft_seconds(num_layers - n_attn, num_layers - n_mlp, n)
@@ -234,8 +246,9 @@ def select(dp: DPResult, predict: PredictFn, latency: LatencyModel, num_layers: 
 
 def search(refs: dict[int, torch.Tensor], sublayer: SubLayerFn, predict: PredictFn,
            latency: LatencyModel, num_layers: int, n: int, max_draft: int, tau: float = 0.5,
-           verify_ratio: Sequence[float] | None = None) -> Choice:
+           verify_ratio: Sequence[float] | None = None,
+           predict_target: PredictFn | None = None) -> Choice:
     """The whole KnapSpec optimisation at context length n: weights, DP, TPT selection."""
     w_attn, w_mlp = latency.weights(n)
     dp = knapsack_dp(refs, sublayer, 2 * num_layers, w_attn, w_mlp, tau)
-    return select(dp, predict, latency, num_layers, n, max_draft, verify_ratio)
+    return select(dp, predict, latency, num_layers, n, max_draft, verify_ratio, predict_target)

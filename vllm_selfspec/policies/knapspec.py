@@ -1,0 +1,149 @@
+"""KnapSpec: training-free attention/MLP sub-layer skipping chosen by a knapsack DP (the KnapSpec
+paper, §3, Algorithm 1; the search itself is in ``knapsack.py``).
+
+Per request:
+
+* **Data.** The engine captures the residual stream of the verified rows at every layer boundary
+  (``capture_layers = 0..L``) with the tokens they predict; the policy keeps the rows of the last
+  ``history_rounds`` rounds (m; the prompt's last ``capture_tokens`` rows at prefill). The rows of
+  consecutive rounds are consecutive positions; a gap (e.g. after a preemption) restarts the
+  history.
+* **Optimisation** every ``interval`` steps (T), at the first step, and whenever the context has
+  grown enough that the knapsack weights (w_attn, w_mlp) at the current length change: the engine
+  runs ``optimise`` with sub-layers on the live model over the request's own KV cache; the DP
+  (τ = ``tau``) and the TPT grid search over γ ≤ D (``num_speculative_tokens``) pick the skip set
+  and draft length. The sub-layer latency model is measured by the engine at start-up.
+* **Drafting** with that skip set for γ tokens, stopping early when a draft token's top-1
+  probability falls below ``min_confidence`` (0.7; dynamic draft exit).
+
+Every decision is a pure function of replicated data (captured hidden states are all-reduced,
+sampled tokens, context lengths) plus rank 0's latency model and step costs, so TP ranks agree.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..plans import LayerPlan
+from . import knapsack
+from .base import DraftDecision, Feedback, ModelInfo, Policy
+
+
+@dataclass
+class KnapSpecState:
+    #: (first position, hidden [L+1, m, d]) of the last rounds that captured rows
+    rounds: deque = field(default_factory=deque)
+    steps: int = 0  # steps since the last optimisation
+    context_len: int = 0
+    decision: DraftDecision | None = None
+    choice: knapsack.Choice | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return sum(h.shape[1] for _, h in self.rounds)
+
+
+def _number(config: dict, key: str, default, lo: float, hi: float, integer: bool,
+            allow_none: bool = False):
+    v = config.get(key, default)
+    if v is None and allow_none:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool) or not lo <= v <= hi:
+        kind = "an integer" if integer else "a number"
+        extra = " or null (off)" if allow_none else ""
+        raise ValueError(f"knapspec: {key} must be {kind} in [{lo}, {hi}]{extra}, got {v!r}")
+    return v
+
+
+class KnapSpecPolicy(Policy):
+    name = "knapspec"
+    options = {"interval": 64, "history_rounds": 5, "tau": 0.5, "min_confidence": 0.7}
+    #: D = 10 (the paper's); 16 prompt rows seed the first search (its cost grows with the rows)
+    common_defaults = {"num_speculative_tokens": 10, "capture_tokens": 16}
+    timed = True
+    needs_latency = True
+
+    @classmethod
+    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
+        _number(config, "interval", 64, 1, 10 ** 9, integer=True)
+        _number(config, "history_rounds", 5, 1, 10 ** 4, integer=True)
+        _number(config, "tau", 0.5, -1.0, 1.0, integer=False)
+        _number(config, "min_confidence", 0.7, 0.0, 1.0, integer=False, allow_none=True)
+
+    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
+        super().__init__(config, model, max_draft_tokens)
+        self.validate(config, model)
+        self.interval = int(config.get("interval", 64))
+        self.history_rounds = int(config.get("history_rounds", 5))
+        self.tau = float(config.get("tau", 0.5))
+        conf = config.get("min_confidence", 0.7)
+        self.min_confidence = None if conf is None else float(conf)
+        L = model.num_layers
+        self.capture_layers = tuple(range(L + 1))
+        self.no_draft = DraftDecision(LayerPlan.full(L), 0)
+
+    def new_state(self) -> KnapSpecState:
+        return KnapSpecState()
+
+    def observe(self, state: KnapSpecState, feedback: Feedback) -> None:
+        state.steps += 1
+        state.context_len = feedback.context_len
+        if feedback.hidden is None or feedback.hidden.shape[1] == 0:
+            return
+        m = feedback.hidden.shape[1]
+        first = feedback.context_len - m - 1  # row t predicts token n-m+t: it sits at n-m-1+t
+        if state.rounds:
+            p, h = state.rounds[-1]
+            if p + h.shape[1] != first:  # not contiguous with the history: start over
+                state.rounds.clear()
+        state.rounds.append((first, feedback.hidden.clone()))  # own it: the view pins the batch
+        while len(state.rounds) > self.history_rounds:
+            state.rounds.popleft()
+
+    def wants_optimise(self, state: KnapSpecState) -> bool:
+        if not state.rounds:
+            return False
+        if state.choice is None or state.steps >= self.interval:
+            return True
+        lat = self.latency
+        return lat is not None and lat.weights(state.context_len) != state.choice.weights
+
+    def verify_ratio(self) -> list[float] | None:
+        """Verification of γ drafts relative to a plain step, from the engine's measured costs."""
+        if self.costs is None:
+            return None
+        base = self.costs.verify_seconds(1)
+        if base is None:
+            return None
+        return [self.costs.verify_seconds(g + 1) / base for g in range(self.max_draft_tokens + 1)]
+
+    def optimise(self, state: KnapSpecState, model: Any) -> None:
+        if self.latency is None:
+            raise RuntimeError("knapspec: the engine must set the latency model before optimise")
+        first = state.rounds[0][0]
+        hidden = torch.cat([h for _, h in state.rounds], dim=1)  # [L+1, r, d]
+        positions = torch.arange(first, first + hidden.shape[1])
+        refs = {2 * layer: hidden[layer] for layer in range(self.model.num_layers + 1)}
+        choice = knapsack.search(
+            refs, lambda s, x: model.sublayer(s, x, positions), model.predict, self.latency,
+            self.model.num_layers, state.context_len, self.max_draft_tokens, self.tau,
+            self.verify_ratio(), model.predict_target)
+        state.choice, state.steps = choice, 0
+        if choice.gamma == 0:
+            state.decision = self.no_draft
+        else:
+            plan = LayerPlan.skip(self.model.num_layers, choice.skip_attn, choice.skip_mlp)
+            state.decision = DraftDecision(plan, choice.gamma, self.min_confidence)
+
+    def propose(self, state: KnapSpecState) -> DraftDecision:
+        return state.decision or self.no_draft
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, "interval": self.interval,
+                "history_rounds": self.history_rounds, "tau": self.tau,
+                "min_confidence": self.min_confidence, "d_max": self.max_draft_tokens,
+                "latency": None if self.latency is None else self.latency.to_dict()}
