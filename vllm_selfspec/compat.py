@@ -32,6 +32,7 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
 ``get_tp_group().broadcast_object``                     rank 0's measured step costs to every rank
 ``get_tensor_model_parallel_rank``, ``embed_tokens``    trained heads' model fingerprint (rank 0)
 ``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
+``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 =====================================================  ==============================================
@@ -87,6 +88,14 @@ def base_worker_class():
     from vllm.v1.worker.gpu_worker import Worker
 
     return Worker
+
+
+def async_llm_class():
+    """vLLM's V1 front-end engine of the OpenAI server (its ``collective_rpc`` reaches the
+    workers)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM
 
 
 def async_llm_class():

@@ -17,6 +17,9 @@ applies three patches, each listed in ``PATCHES`` and logged once:
    and top-p of speculative sampling are uninitialised memory: every speculative method on CPU
    (vLLM's own ngram included) then corrupts outputs of batches with temperature > 0 requests.
    Replaced by a plain-PyTorch expansion with the same contract.
+5. ``AsyncLLM.__init__`` (applied when a selfspec engine config is built, so only in the process
+   that serves it): export the workers' selfspec stats on the API server's ``/metrics``
+   (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ PATCHES = (
     "EngineArgs.add_cli_args: --speculative-config accepts a JSON file path",
     "VllmConfig.num_lookahead_tokens: k lookahead KV slots for selfspec drafts",
     "rejection_sampler.expand_batch_to_tokens (CPU only): fix vLLM 0.32's float expansion bug",
+    "AsyncLLM.__init__ (front end, selfspec configs): selfspec stats on the server's /metrics",
 )
 _REGISTERED = False
 
@@ -119,6 +123,7 @@ def _patch_create_engine_config(EngineArgs) -> None:
         if cfg is not None:
             cfg = check_vllm_config(vllm_config, cfg)
             logger.info("vllm-selfspec: method %s, options %s", cfg.method, cfg.to_dict())
+            _patch_async_llm_metrics()
         return vllm_config
 
     create_engine_config._selfspec = True
@@ -190,3 +195,22 @@ def _patch_cpu_expand_batch_to_tokens() -> None:
         return
     expand_batch_to_tokens._selfspec = True
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+# ---- 5. selfspec metrics on the OpenAI server's /metrics -------------------------------------
+def _patch_async_llm_metrics() -> None:
+    AsyncLLM = compat.async_llm_class()
+    orig = AsyncLLM.__init__
+    if getattr(orig, "_selfspec", False):
+        return
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        orig(self, vllm_config, *args, **kwargs)
+        if is_selfspec_vllm_config(vllm_config):
+            from . import metrics
+
+            metrics.install(self, vllm_config)
+
+    __init__._selfspec = True
+    AsyncLLM.__init__ = __init__
+    logger.debug("vllm-selfspec patch applied in pid %d: %s", os.getpid(), PATCHES[4])

@@ -289,6 +289,7 @@ class SelfSpecProposer:
             if d:
                 self.stats.draft_rounds += 1
                 self.stats.plan_hist[plan.describe()] += 1
+                self.stats.plans[plan] += 1
 
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):

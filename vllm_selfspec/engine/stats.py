@@ -26,6 +26,7 @@ class EngineStats:
     shadow_rows: int = 0  # (layer, token) rows projected into shadow tokens
     draft_length_hist: Counter = field(default_factory=Counter)
     plan_hist: Counter = field(default_factory=Counter)
+    plans: Counter = field(default_factory=Counter)  # LayerPlan -> draft rounds that drafted
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -58,6 +59,7 @@ class EngineStats:
             "shadow_rows": self.shadow_rows,
             "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
             "plan_hist": dict(self.plan_hist.most_common()),
+            **plan_histograms(self.plans),
             # seconds inside the runner: verify = the target step minus the selfspec parts
             "time_s": {"draft": s["draft"], "policy": s["policy"], "shadow": s["shadow"],
                        "verify": max(0.0, s["step"] - other), "total": s["step"]},
@@ -67,3 +69,18 @@ class EngineStats:
 def merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     """Stats of TP ranks are replicas: rank 0's are the engine's (kept for a clear API)."""
     return dicts[0] if dicts else {}
+
+
+def plan_histograms(plans: Counter) -> dict[str, Any]:
+    """Draft rounds per chosen exit layer, and per skipped sub-layer below the exit
+    ({"attn": {layer: rounds}, "mlp": {...}}, 0-based layers; layers past an exit not counted)."""
+    exits: Counter = Counter()
+    skipped: dict[str, Counter] = {"attn": Counter(), "mlp": Counter()}
+    for plan, rounds in plans.items():
+        exits[plan.exit_layer] += rounds
+        for kind, flags in (("attn", plan.attn), ("mlp", plan.mlp)):
+            for layer, runs in enumerate(flags):
+                if not runs:
+                    skipped[kind][layer] += rounds
+    return {"exit_layer_hist": dict(sorted(exits.items())),
+            "skipped_sublayer_hist": {k: dict(sorted(c.items())) for k, c in skipped.items()}}

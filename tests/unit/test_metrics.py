@@ -1,0 +1,102 @@
+"""selfspec's Prometheus metrics: stats -> metric families, and the collector's RPC pull from a
+thread (as vLLM's /metrics handler runs) and from the event loop (last snapshot)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm_selfspec.engine.stats import EngineStats
+from vllm_selfspec.metrics import SelfSpecCollector, families
+from vllm_selfspec.plans import LayerPlan
+from vllm_selfspec.serving import parse_metrics
+
+LABELS = {"model_name": "m", "method": "layerskip"}
+L = 6
+
+
+def _stats() -> dict:
+    st = EngineStats()
+    st.drafted_tokens, st.accepted_tokens, st.generated_tokens = 10, 4, 20
+    st.draft_length_hist.update({0: 1, 2: 3, 3: 1})
+    st.plans[LayerPlan.prefix(L, 4)] += 3
+    st.plans[LayerPlan.skip(L, skip_attn=[1], skip_mlp=[1, 2])] += 2
+    st.seconds.update(draft=1.0, policy=0.5, shadow=0.5, step=4.0)
+    d = st.as_dict()
+    d["live_requests"] = 2
+    return d
+
+
+class _Static:
+    def __init__(self, fams):
+        self.fams = fams
+
+    def collect(self):
+        return self.fams
+
+
+def _scrape(collector) -> dict[str, float]:
+    reg = CollectorRegistry()
+    reg.register(collector)
+    return parse_metrics(generate_latest(reg).decode())
+
+
+def test_stats_histograms():
+    d = _stats()
+    assert d["exit_layer_hist"] == {4: 3, 6: 2}
+    assert d["skipped_sublayer_hist"] == {"attn": {1: 2}, "mlp": {1: 2, 2: 2}}
+
+
+def test_families():
+    m = _scrape(_Static(families(_stats(), LABELS, num_layers=L, max_draft=3)))
+    lab = 'method="layerskip",model_name="m"'
+    assert m[f"vllm:selfspec_drafted_tokens_total{{{lab}}}"] == 10
+    assert m[f"vllm:selfspec_accepted_tokens_total{{{lab}}}"] == 4
+    assert m[f"vllm:selfspec_acceptance_rate{{{lab}}}"] == pytest.approx(0.4)
+    assert m[f"vllm:selfspec_live_requests{{{lab}}}"] == 2
+    # draft length histogram: cumulative buckets 0..3, sum = 2*3 + 3
+    assert [m[f'vllm:selfspec_draft_length_bucket{{le="{b}",{lab}}}'] for b in
+            ("0.0", "1.0", "2.0", "3.0", "+Inf")] == [1, 1, 4, 5, 5]
+    assert m[f"vllm:selfspec_draft_length_sum{{{lab}}}"] == 9
+    assert m[f'vllm:selfspec_exit_layer_bucket{{le="4.0",{lab}}}'] == 3
+    assert m[f'vllm:selfspec_exit_layer_bucket{{le="6.0",{lab}}}'] == 5
+    assert m[f'vllm:selfspec_skipped_sublayer_rounds_total{{layer="2",{lab},sublayer="mlp"}}'] == 2
+    assert m[f'vllm:selfspec_time_seconds_total{{{lab},part="verify"}}'] == 2.0
+    assert m[f'vllm:selfspec_time_share{{{lab},part="draft"}}'] == 0.25
+    assert families({}, LABELS, L, 3) == []
+
+
+class _Engine:
+    def __init__(self, stats):
+        self.stats, self.calls = stats, 0
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert method == "selfspec_stats"
+        self.calls += 1
+        return [dict(self.stats, steps=self.calls), {"ignored": "rank 1"}]
+
+
+def test_collector_pulls_from_a_thread_and_snapshots_on_the_loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        engine = _Engine(_stats())
+        col = SelfSpecCollector()
+        col.follow(engine, loop, LABELS, L, 3)
+        key = 'vllm:selfspec_steps_total{method="layerskip",model_name="m"}'
+        assert _scrape(col)[key] == 1  # off the loop: a fresh RPC per scrape, rank 0's stats
+        assert _scrape(col)[key] == 2
+
+        async def on_loop():
+            first = col.refresh()  # cannot wait on its own loop: the snapshot, refresh scheduled
+            await asyncio.sleep(0.05)
+            return first, col.refresh()
+
+        first, second = asyncio.run_coroutine_threadsafe(on_loop(), loop).result(5)
+        assert first["steps"] == 2 and second["steps"] == 3
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

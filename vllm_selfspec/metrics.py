@@ -1,0 +1,209 @@
+"""selfspec's Prometheus metrics on the OpenAI server's ``/metrics``.
+
+The counters live in the worker processes (``engine/stats.py``). The API server pulls them when
+``/metrics`` is scraped, with the same collective RPC as ``vllm_selfspec.get_stats(llm)``
+(``selfspec_stats`` on every worker; TP ranks are replicas, rank 0's are used), so the offline
+API and the metrics always show the same numbers. vLLM's own ``vllm:spec_decode_*`` counters are
+untouched (they are counted by the scheduler).
+
+How the pull works: the plugin registers one collector in the API server process's default
+Prometheus registry (the one vLLM's ``/metrics`` serves) when an ``AsyncLLM`` with a selfspec
+config is created. vLLM serves ``GET /metrics`` from a worker thread, so the collector waits there
+for the RPC on the server's event loop (timeout ``RPC_TIMEOUT_S``); called on the event loop itself
+it cannot wait, so it serves the last snapshot and schedules a refresh. With several API server
+processes (``--api-server-count > 1``) vLLM switches to multiprocess Prometheus mode, which only
+exports metrics files: selfspec's metrics are then absent (use ``get_stats`` or one API server).
+
+``families(stats, ...)`` (stats dict -> metric families) is pure and unit-tested.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from typing import Any, Iterator
+
+logger = logging.getLogger("vllm_selfspec")
+
+PREFIX = "vllm:selfspec_"
+RPC_TIMEOUT_S = 10.0
+TIME_PARTS = ("draft", "verify", "policy", "shadow", "optimise")
+
+#: counters: stats key -> (metric name without prefix and "_total", documentation)
+COUNTERS = {
+    "steps": ("steps", "Runner steps that sampled at least one token."),
+    "generated_tokens": ("generated_tokens", "Tokens emitted (accepted drafts + one per round)."),
+    "target_rounds": ("target_rounds", "Per-request verification rounds that emitted tokens."),
+    "drafted_tokens": ("drafted_tokens", "Draft tokens verified by the target."),
+    "accepted_tokens": ("accepted_tokens", "Draft tokens the target accepted."),
+    "draft_rounds": ("draft_rounds", "Per-request rounds that drafted at least one token."),
+    "draft_layers": ("draft_layers", "Decoder layers run by draft steps, summed over requests "
+                                     "(a sub-layer counts half)."),
+    "target_layers": ("target_layers", "Decoder layers run by verifications, summed over "
+                                       "requests."),
+    "shadow_rows": ("shadow_rows", "(layer, token) rows projected into shadow tokens."),
+}
+GAUGES = {
+    "acceptance_rate": ("acceptance_rate", "accepted_tokens / drafted_tokens since start."),
+    "tokens_per_layer": ("tokens_per_layer", "Generated tokens per decoder layer run "
+                                             "(vanilla: 1 / num_layers)."),
+    "live_requests": ("live_requests", "Requests holding selfspec policy state in the workers."),
+}
+
+
+def families(stats: dict[str, Any], labels: dict[str, str], num_layers: int,
+             max_draft: int) -> list:
+    """Prometheus metric families from a ``get_stats`` dict (empty dict: no families)."""
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                        HistogramMetricFamily)
+
+    if not stats:
+        return []
+    names, values = list(labels), list(labels.values())
+    out: list = []
+    for key, (name, doc) in COUNTERS.items():
+        if key in stats:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
+            c.add_metric(values, float(stats[key]))
+            out.append(c)
+    for key, (name, doc) in GAUGES.items():
+        if stats.get(key) is not None:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
+            g.add_metric(values, float(stats[key]))
+            out.append(g)
+
+    out.append(_histogram(HistogramMetricFamily, "draft_length",
+                          "Draft tokens proposed per request and drafting round.",
+                          names, values, stats.get("draft_length_hist", {}),
+                          range(0, max_draft + 1)))
+    out.append(_histogram(HistogramMetricFamily, "exit_layer",
+                          "Exit layer (decoder layers the draft ran up to) per drafting round.",
+                          names, values, stats.get("exit_layer_hist", {}),
+                          range(1, num_layers + 1)))
+
+    skipped = CounterMetricFamily(
+        PREFIX + "skipped_sublayer_rounds",
+        "Drafting rounds whose plan skipped this sub-layer (0-based layer, below the exit).",
+        labels=[*names, "sublayer", "layer"])
+    for kind, per_layer in stats.get("skipped_sublayer_hist", {}).items():
+        for layer, rounds in sorted(per_layer.items(), key=lambda kv: int(kv[0])):
+            skipped.add_metric([*values, kind, str(layer)], float(rounds))
+    out.append(skipped)
+
+    times = stats.get("time_s", {})
+    total = times.get("total") or 0.0
+    secs = CounterMetricFamily(PREFIX + "time_seconds",
+                               "Seconds inside the model runner, by part.",
+                               labels=[*names, "part"])
+    share = GaugeMetricFamily(PREFIX + "time_share",
+                              "Share of the model runner's time, by part.",
+                              labels=[*names, "part"])
+    for part in TIME_PARTS:
+        if part in times:
+            secs.add_metric([*values, part], float(times[part]))
+            share.add_metric([*values, part], times[part] / total if total else 0.0)
+    out += [secs, share]
+    return out
+
+
+def _histogram(cls, name: str, doc: str, names, values, hist: dict, bounds) -> Any:
+    counts = {int(k): v for k, v in hist.items()}
+    buckets, cum = [], 0.0
+    for b in bounds:
+        cum += counts.get(b, 0)
+        buckets.append((str(float(b)), cum))
+    total = float(sum(counts.values()))
+    buckets.append(("+Inf", total))
+    h = cls(PREFIX + name, doc, labels=names)
+    h.add_metric(values, buckets, sum_value=float(sum(k * v for k, v in counts.items())))
+    return h
+
+
+class SelfSpecCollector:
+    """One per process; follows the latest selfspec AsyncLLM (held weakly)."""
+
+    def __init__(self) -> None:
+        self._engine = lambda: None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._labels: dict[str, str] = {}
+        self._num_layers = self._max_draft = 0
+        self._snapshot: dict[str, Any] = {}
+        self._refreshing = False
+        self._lock = threading.Lock()
+
+    def follow(self, engine, loop: asyncio.AbstractEventLoop | None, labels: dict[str, str],
+               num_layers: int, max_draft: int) -> None:
+        with self._lock:
+            self._engine = weakref.ref(engine)
+            self._loop, self._labels = loop, labels
+            self._num_layers, self._max_draft = num_layers, max_draft
+            self._snapshot = {}
+
+    def describe(self) -> list:  # no fixed names: registering never calls collect()
+        return []
+
+    def collect(self) -> Iterator:
+        stats = self.refresh()
+        yield from families(stats, self._labels, self._num_layers, self._max_draft)
+
+    def refresh(self) -> dict[str, Any]:
+        """Fresh stats when called off the event loop; else the last snapshot (and a refresh
+        scheduled on the loop)."""
+        engine, loop = self._engine(), self._loop
+        if engine is None or loop is None or loop.is_closed():
+            return self._snapshot
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            if not self._refreshing:
+                self._refreshing = True
+                loop.create_task(self._refresh_async(engine))
+            return self._snapshot
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._pull(engine), loop)
+            self._snapshot = fut.result(RPC_TIMEOUT_S + 1)
+        except Exception as e:  # engine busy or gone: keep serving the last numbers
+            logger.debug("vllm-selfspec: stats RPC failed (%r); serving the last snapshot", e)
+        return self._snapshot
+
+    @staticmethod
+    async def _pull(engine) -> dict[str, Any]:
+        from .engine.stats import merge
+
+        return merge(await engine.collective_rpc("selfspec_stats", timeout=RPC_TIMEOUT_S))
+
+    async def _refresh_async(self, engine) -> None:
+        try:
+            self._snapshot = await self._pull(engine)
+        except Exception as e:
+            logger.debug("vllm-selfspec: stats RPC failed (%r)", e)
+        finally:
+            self._refreshing = False
+
+
+_COLLECTOR: SelfSpecCollector | None = None
+
+
+def install(engine, vllm_config) -> SelfSpecCollector:
+    """Export ``engine``'s selfspec stats on this process's default Prometheus registry."""
+    global _COLLECTOR
+    from prometheus_client import REGISTRY
+
+    from . import compat
+
+    if _COLLECTOR is None:
+        _COLLECTOR = SelfSpecCollector()
+        REGISTRY.register(_COLLECTOR)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    opts = compat.selfspec_options(vllm_config) or {}
+    labels = {"model_name": str(vllm_config.model_config.served_model_name),
+              "method": str(opts.get("method", "?"))}
+    _COLLECTOR.follow(engine, loop, labels, vllm_config.model_config.hf_text_config
+                      .num_hidden_layers, vllm_config.speculative_config.num_speculative_tokens)
+    return _COLLECTOR
