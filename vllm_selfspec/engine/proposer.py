@@ -149,6 +149,7 @@ class SelfSpecProposer:
                                          aux_hidden_states, common_attn_metadata)
 
         active: list[tuple[int, DraftDecision, int]] = []
+        due: list[tuple[int, Any]] = []  # (batch row, state) whose plan search is due
         with st.timer("policy"):
             for i, req_id, state in entries:
                 sampled = sampled_token_ids[i]
@@ -164,6 +165,14 @@ class SelfSpecProposer:
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
                 self.policy.observe(state, fb)
+                if self.policy.wants_optimise(state):
+                    due.append((i, state))
+        if due:
+            with st.timer("optimise"):
+                self._optimise(runner, due)
+        with st.timer("policy"):
+            for i, req_id, state in entries:
+                n = int(num_tokens[i])
                 decision = self.policy.propose(state)
                 # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
                 g = min(decision.num_tokens, self.k, self.max_model_len - n)
@@ -175,6 +184,17 @@ class SelfSpecProposer:
                 self._draft(runner, active, sampling_metadata, drafts)
         self._step_draft_seconds = time.perf_counter() - t_start
         return drafts
+
+    def _optimise(self, runner, due) -> None:
+        """Searching policies (KnapSpec): run their search on the live model, per request."""
+        from .knapsack_forward import KnapsackForward, latency_model
+
+        if self.policy.needs_latency and self.policy.latency is None:
+            self.policy.latency = latency_model(self)
+        table = runner.input_batch.block_table[0].get_device_tensor(len(runner.input_batch.req_ids))
+        for i, state in due:
+            self.policy.optimise(state, KnapsackForward(self, table[i]))
+            self.stats.optimisations += 1
 
     def record_step(self, seconds: float) -> None:
         """The runner step took ``seconds`` (execute_model + sample_tokens): calibrate the
@@ -290,6 +310,8 @@ class SelfSpecProposer:
                 self.stats.draft_rounds += 1
                 self.stats.plan_hist[plan.describe()] += 1
                 self.stats.plans[plan] += 1
+                self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
+                self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
 
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):

@@ -1,7 +1,9 @@
-"""Engine counters and the per-method time breakdown (draft / verify / policy / shadow).
+"""Engine counters and the per-method time breakdown (draft / verify / policy / shadow /
+optimise).
 
 "shadow" is the hidden-state capture of verified tokens (and, for methods that project it, the
-shadow-token work); "verify" is the rest of the runner step: the target forward and sampling."""
+shadow-token work); "optimise" is a searching policy's plan search on the model (KnapSpec's DP);
+"verify" is the rest of the runner step: the target forward and sampling."""
 from __future__ import annotations
 
 import time
@@ -10,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-TIME_KEYS = ("draft", "policy", "shadow", "step")
+TIME_KEYS = ("draft", "policy", "shadow", "optimise", "step")
 
 
 @dataclass
@@ -24,6 +26,9 @@ class EngineStats:
     draft_layers: float = 0.0  # decoder layers run by draft steps, summed over requests
     target_layers: float = 0.0  # decoder layers run by target forwards, summed over requests
     shadow_rows: int = 0  # (layer, token) rows projected into shadow tokens
+    optimisations: int = 0  # per-request plan searches (KnapSpec)
+    skipped_attn: int = 0  # attention sub-layers the draft plans skipped, summed over draft rounds
+    skipped_mlp: int = 0
     draft_length_hist: Counter = field(default_factory=Counter)
     plan_hist: Counter = field(default_factory=Counter)
     plans: Counter = field(default_factory=Counter)  # LayerPlan -> draft rounds that drafted
@@ -42,7 +47,7 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         s = self.seconds
-        other = s["draft"] + s["policy"] + s["shadow"]
+        other = s["draft"] + s["policy"] + s["shadow"] + s["optimise"]
         layers = self.draft_layers + self.target_layers
         return {
             "steps": self.steps,
@@ -57,12 +62,19 @@ class EngineStats:
             "target_layers": self.target_layers,
             "tokens_per_layer": self.generated_tokens / layers if layers else None,
             "shadow_rows": self.shadow_rows,
+            "optimisations": self.optimisations,
+            # per draft round: sub-layers the plan skipped (layers past an early exit included)
+            "skipped_attn_per_round": self.skipped_attn / self.draft_rounds
+            if self.draft_rounds else None,
+            "skipped_mlp_per_round": self.skipped_mlp / self.draft_rounds
+            if self.draft_rounds else None,
             "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
             "plan_hist": dict(self.plan_hist.most_common()),
             **plan_histograms(self.plans),
             # seconds inside the runner: verify = the target step minus the selfspec parts
             "time_s": {"draft": s["draft"], "policy": s["policy"], "shadow": s["shadow"],
-                       "verify": max(0.0, s["step"] - other), "total": s["step"]},
+                       "optimise": s["optimise"], "verify": max(0.0, s["step"] - other),
+                       "total": s["step"]},
         }
 
 

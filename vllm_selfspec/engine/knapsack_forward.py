@@ -1,0 +1,216 @@
+"""KnapSpec's search on the real model: the DP's sub-layers over the target's own paged KV cache,
+and the start-up latency model (the algorithm is ``policies/knapsack.py``).
+
+``KnapsackForward(proposer, block_table_row)`` serves one request's optimisation:
+
+* ``sublayer(s, states[B, r, d], positions[r])``: the residual stream after sub-layer ``s`` of B
+  candidate state sets of the request's r recent rows (consecutive positions). MLP sub-layers are
+  ``x + mlp(norm(x))`` on the B·r rows. Attention sub-layers run the layer's own vLLM attention
+  with queries from the candidate states (norm → qkv → rope) and the context's K/V from the
+  request's KV cache: under a forward context whose metadata repeats the request's block table
+  once per candidate (B "requests" of r queries each, ``seq_len = last position + 1``, causal), so
+  each row attends to the target's cached K/V at every earlier position and its own. **Nothing is
+  written**: the forward context's ``slot_mapping`` dict leaves the layer out, so vLLM's
+  ``unified_kv_cache_update`` skips the write (CPU, FlashAttention, FlashInfer and Triton backends
+  all write there, ``forward_includes_kv_cache_update = False``), and the metadata's own
+  ``slot_mapping`` is all ``-1`` (PAD_SLOT_ID), which every cache-write kernel skips (the CPU
+  ``reshape_and_cache`` and CUDA ``reshape_and_cache[_flash]`` kernels test ``slot < 0``), for a
+  backend that writes inside its forward.
+* ``predict(states[N, d])``: the draft's greedy token of each row (final norm + LM head over the
+  draft vocabulary, batched through the fused LM-head argmax like shadow tokens);
+  ``predict_target`` the target's (full vocabulary).
+
+``latency_model(proposer)``: t_MLP, t_Attn(n) = c2·n + c3 and the LM head's time of one row, from
+timing every layer's sub-layers at a few context lengths (reading any KV blocks: nothing is
+written) and the LM heads; about a second on the CPU, cached per model/device/dtype/TP size/draft
+vocabulary under
+``$VLLM_SELFSPEC_HOME/latency/``; rank 0's under TP.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import compat
+from ..policies.knapsack import LatencyModel
+
+logger = logging.getLogger(__name__)
+
+#: context lengths at which attention is timed (capped by max_model_len)
+LATENCY_CONTEXTS = (16, 256, 1024, 4096)
+LATENCY_REPEATS = 7
+
+
+class KnapsackForward:
+    def __init__(self, proposer, block_table_row: torch.Tensor) -> None:
+        self.p = proposer
+        self.layout = proposer.executor.layout
+        self.row = block_table_row
+        self._md: dict[tuple, dict] = {}  # (B, first, r) -> attention metadata per layer name
+
+    def sublayer(self, s: int, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        B, r, d = states.shape
+        layer = self.layout.layers[s // 2]
+        x = states.reshape(B * r, d)
+        if s % 2 == 1:
+            return (x + layer.mlp(layer.post_attention_layernorm(x))).view(B, r, d)
+        first = int(positions[0])
+        if positions.numel() != r or int(positions[-1]) != first + r - 1:
+            raise ValueError("knapsack rows must sit at consecutive positions")
+        md, pos = self._metadata(B, first, r, x.device)
+        with self.p._set_forward_context(md, self.p.vllm_config, num_tokens=B * r,
+                                         slot_mapping={}):  # no layer: no KV write
+            h = layer.self_attn(positions=pos, hidden_states=layer.input_layernorm(x))
+        return (x + h).view(B, r, d)
+
+    def _metadata(self, B: int, first: int, r: int, dev):
+        key = (B, first, r)
+        if key not in self._md:
+            self._md[key] = (read_only_metadata(self.p, self.row, B, first, r),
+                             torch.arange(first, first + r, device=dev).repeat(B))
+        return self._md[key]
+
+    def predict(self, states: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy tokens (its vocabulary: reduced when draft_vocab_size is set)."""
+        tokens, _ = self.p.shadow.project(states.unsqueeze(0), ["lm_head"])
+        return tokens[0]
+
+    def predict_target(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's greedy tokens (full vocabulary)."""
+        lay = self.layout
+        return lay.compute_logits(lay.norm(states)).argmax(-1).cpu()
+
+
+def read_only_metadata(proposer, row: torch.Tensor, B: int, first: int, r: int) -> dict:
+    """Attention metadata (every attention layer) for B copies of one request's r rows at
+    positions first .. first+r-1, reading its KV cache up to there and writing nothing."""
+    dev = row.device
+    qsl = torch.arange(B + 1, dtype=torch.int32) * r
+    seq = torch.full((B,), first + r, dtype=torch.int32)
+    pos = torch.arange(first, first + r, device=dev).repeat(B)
+    cm = proposer._CommonAttentionMetadata(
+        query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev),
+        seq_lens_cpu_upper_bound=seq, num_reqs=B, num_actual_tokens=B * r, max_query_len=r,
+        max_seq_len=first + r, block_table_tensor=row.unsqueeze(0).expand(B, -1).contiguous(),
+        slot_mapping=torch.full((B * r,), -1, dtype=torch.int64, device=dev),  # PAD_SLOT_ID
+        causal=True, positions=pos)
+    md = {}
+    for group in proposer._draft_attn_groups():
+        group_md = group.build_metadata_for_drafting(cm, draft_index=0)
+        for name in group.layer_names:
+            md[name] = group_md
+    return md
+
+
+# ---- the latency model ------------------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return f"cpu {cpu} x{torch.get_num_threads()} threads"
+
+
+def _cache_path(proposer, device: torch.device) -> Path:
+    from ..models import home
+
+    mc = proposer.vllm_config.model_config
+    vocab = proposer.executor.vocab_ids
+    key = json.dumps([os.path.realpath(str(mc.model)), _device_name(device), str(mc.dtype),
+                      proposer._tp, compat.vllm_version(),
+                      None if vocab is None else int(vocab.numel())])
+    return home() / "latency" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def _median_seconds(fn, sync) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(LATENCY_REPEATS):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_latency(proposer, device: torch.device) -> LatencyModel:
+    """Time one row through every layer's attention at a few context lengths, every MLP and the
+    LM head, per sub-layer (a pass over all layers, as a decode step streams them, so no layer's
+    weights stay cache-hot). Every TP rank runs this together: the sub-layers all-reduce."""
+    lay = proposer.executor.layout
+    layers = lay.layers
+    block_size = proposer.runner.input_batch.block_table[0].block_size
+    max_len = proposer.max_model_len
+    contexts = sorted({min(n, max_len) for n in LATENCY_CONTEXTS})
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = proposer.vllm_config.model_config.dtype
+    x = torch.randn(1, lay.norm.weight.shape[0], device=device, dtype=dtype)
+    attn = []
+    for n in contexts:
+        # any blocks will do for timing: they are only read (block 0, vLLM's null block, too)
+        row = torch.arange((n + block_size - 1) // block_size, dtype=torch.int32, device=device)
+        md = read_only_metadata(proposer, row, 1, n - 1, 1)
+        pos = torch.tensor([n - 1], device=device)
+
+        def run_attn():
+            with proposer._set_forward_context(md, proposer.vllm_config, num_tokens=1,
+                                               slot_mapping={}):
+                for layer in layers:
+                    layer.self_attn(positions=pos, hidden_states=layer.input_layernorm(x))
+
+        attn.append((n, _median_seconds(run_attn, sync) / len(layers)))
+
+    def run_mlp():
+        for layer in layers:
+            layer.mlp(layer.post_attention_layernorm(x))
+
+    t_mlp = _median_seconds(run_mlp, sync) / len(layers)
+    t_target_head = _median_seconds(lambda: lay.compute_logits(lay.norm(x)), sync)
+    ex = proposer.executor
+    t_head = t_target_head if ex.vocab_ids is None else _median_seconds(
+        lambda: ex.project(lay.norm(x)), sync)
+    return LatencyModel.fit(attn, t_mlp, t_head, t_target_head)
+
+
+def latency_model(proposer) -> LatencyModel:
+    """The cached latency model, or a fresh measurement; identical on every TP rank."""
+    device = proposer.runner.device
+    path = _cache_path(proposer, device)
+    cached = None
+    if compat.tp_rank() == 0 and path.is_file():
+        try:
+            cached = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cached = None
+    cached = compat.broadcast_from_tp_rank0(cached)  # all ranks measure together, or none
+    if cached is not None:
+        return LatencyModel.from_dict(cached)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        lm = measure_latency(proposer, device)
+    d = compat.broadcast_from_tp_rank0(lm.to_dict())
+    logger.info("knapspec latency model measured in %.2f s: %s", time.perf_counter() - t0, d)
+    if compat.tp_rank() == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**d, "device": _device_name(device),
+                                        "seconds_to_measure": time.perf_counter() - t0}),
+                            encoding="utf-8")
+        except OSError as e:
+            logger.warning("knapspec: cannot cache the latency model in %s: %s", path, e)
+    return LatencyModel.from_dict(d)
