@@ -18,6 +18,8 @@ $(STAMP): setup.py
 
 model: $(STAMP)
 	$(BIN)/vllm-selfspec prepare-model
+	# the embedded model's token-frequency map for draft_vocab_size (a few minutes, once)
+	$(BIN)/vllm-selfspec build-vocab
 
 demo: model
 	$(BIN)/vllm-selfspec demo

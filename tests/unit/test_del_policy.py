@@ -5,7 +5,8 @@ import torch
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.policies import Feedback, ModelInfo
-from vllm_selfspec.policies.del_ import DELPolicy, default_exit_layers, tpl_table
+from vllm_selfspec.policies.del_ import (DELPolicy, default_exit_layers, round_expectations,
+                                         tpl_table)
 
 L = 30
 MODEL = ModelInfo(num_layers=L, hidden_size=64, vocab_size=100, architecture="LlamaForCausalLM")
@@ -124,7 +125,7 @@ def test_lm_head_counts_as_layers_in_tpl():
     s = p.new_state()
     match = np.arange(100) % 10 != 0  # alpha 0.9 at layer 6
     p.observe(s, feedback(match[None, :], np.full((1, 100), 0.5)))
-    t = p.table(p.alpha(s))
+    t = p.table(s)
     assert t[0, 1] == pytest.approx((1 + 0.9) / ((6 + 8) + L + 8))
 
 
@@ -146,7 +147,7 @@ def test_time_cost_uses_measured_seconds_and_falls_back_to_layers():
     match = np.arange(100) % 10 != 0
     p.observe(s, feedback(match[None, :], np.full((1, 100), 0.5)))
     p.costs = FakeCosts(lambda l: None, lambda t: None)  # nothing measured yet: layers
-    assert np.allclose(p.table(p.alpha(s)), tpl_table(p.alpha(s), np.array([6.0]), L, 18))
+    assert np.allclose(p.table(s), tpl_table(p.alpha(s), np.array([6.0]), L, 18))
     # drafting is nearly free but every verified token costs a full step: draft 1 at most
     p.costs = FakeCosts(lambda l: 0.001, lambda t: 0.01 * t)
     assert p.propose(s).num_tokens == 0
@@ -170,3 +171,38 @@ def test_linear_fit_and_step_costs():
     assert c.draft_seconds(5) == pytest.approx(3.0)
     c.freeze(((0.0, 10.0), None))  # rank 0's coefficients win
     assert c.draft_seconds(2) == pytest.approx(20.0) and c.verify_seconds(2) is None
+
+
+def test_round_expectations_match_a_simulated_draft_loop():
+    rng = np.random.default_rng(0)
+    beta, accept, cap, n = 0.6, 0.8, 5, 200_000
+    passed = rng.random((n, cap)) < beta
+    matched = rng.random((n, cap)) < accept
+    # steps run while every earlier token passed; a kept token is accepted while all kept match
+    alive = np.cumprod(passed, axis=1)
+    steps = 1 + alive[:, :-1].sum(1)
+    drafts = alive.sum(1)
+    tokens = 1 + np.cumprod(passed & matched, axis=1).sum(1)
+    t, st, dr = round_expectations(np.array([accept]), cap, np.array([beta]))
+    assert t[0, cap] == pytest.approx(tokens.mean(), rel=0.01)
+    assert st[0, cap] == pytest.approx(steps.mean(), rel=0.01)
+    assert dr[0, cap] == pytest.approx(drafts.mean(), rel=0.01)
+    assert (t[:, 0], st[:, 0], dr[:, 0]) == (1.0, 0.0, 0.0)
+
+
+def test_rounds_whose_drafts_fail_the_threshold_are_not_worth_drafting():
+    """Layer 6 matches 60% of the time but only the confident 20% clear τ: the paper's TPL
+    drafts there, the gated objective sees a step paid for nothing 80% of the time."""
+    p, ungated = make(exit_layers=[6]), make(exit_layers=[6], dynamic_threshold=False)
+    p.model = ungated.model = ModelInfo(L, 64, 100, "LlamaForCausalLM", lm_head_layers=8.0)
+    row = np.arange(100)
+    match = (row % 5 < 3)[None, :]  # 60% match
+    conf = np.where(row % 5 == 0, 0.95, 0.3)[None, :]  # only a third of the matches confident
+    s, su = p.new_state(), ungated.new_state()
+    for _ in range(20):  # the threshold exists from the second round on
+        p.observe(s, feedback(match, conf))
+        ungated.observe(su, feedback(match, conf))
+    beta, accept = p.gate(s)
+    assert beta[0] < 0.3 and accept[0] > 0.9  # (the first round had no threshold yet)
+    assert ungated.propose(su).num_tokens > 0
+    assert p.propose(s).num_tokens == 0

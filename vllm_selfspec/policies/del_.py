@@ -16,6 +16,11 @@ Per request and per round:
 * **Selection** ``(E, γ) = argmax TPL(ℓ, d) = (1 − α_ℓ^{d+1}) / ((1 − α_ℓ)(dℓ + L))`` over the
   candidate layers and ``d ∈ [0, d_max]`` (``d = 0``: a plain decode step, chosen when no exit pays
   off); drafting stops early when a draft token's top-1 probability is below ``τ_E``.
+  Beyond the paper, the objective counts what that stop costs: with ``β_ℓ`` the decayed share of
+  shadow tokens that cleared ``τ_ℓ`` and ``a_ℓ`` the acceptance among them, a round emits
+  ``1 + Σ_{i≤d} (β a)^i`` tokens for ``Σ_{i<d} β^i`` draft steps (the failing token's step is
+  paid); β = 1 is the paper's formula. Without it, rounds whose first draft token is usually
+  below ``τ`` pay a draft step for nothing (two thirds of the rounds in an earlier benchmark).
   ``cost``: ``"layers"`` is the paper's TPL with the LM head counted as the ``h`` layers its weights
   amount to (``d(ℓ+h) + L + h``: h ≈ 0.6 for Llama-2-7B, 8 for the embedded SmolLM2-135M);
   ``"time"`` is tokens per second with the engine's measured seconds per draft step (a line in
@@ -57,29 +62,44 @@ def default_exit_layers(num_layers: int, count: int = 6) -> tuple[int, ...]:
     return tuple(sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)}))
 
 
-def expected_tokens(alpha: np.ndarray, max_draft: int) -> np.ndarray:
-    """Tokens a round emits with per-token acceptance α and d = 0..max_draft drafts."""
-    a = np.clip(alpha, 0.0, 1.0 - 1e-9)[:, None]
-    d = np.arange(max_draft + 1)[None, :]
-    return (1.0 - a ** (d + 1)) / (1.0 - a)
+def round_expectations(accept: np.ndarray, max_draft: int, pass_rate: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Expected (emitted tokens, draft steps, drafts verified) of a round, per candidate layer
+    (rows) and draft cap d = 0..max_draft (columns), when drafting stops at the confidence
+    threshold: a draft token passes it with probability β (``pass_rate``) and, having passed,
+    matches the target with probability a (``accept``). The token that fails the threshold is
+    dropped but its draft step is paid. β = 1 is the paper's model: (1 − a^{d+1}) / (1 − a)
+    tokens for d steps."""
+    a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)[:, None]
+    b = (np.ones_like(a) if pass_rate is None
+         else np.clip(np.asarray(pass_rate, dtype=np.float64), 0.0, 1.0)[:, None])
+    i = np.arange(1, max_draft + 1)[None, :]
+    zero = np.zeros((a.shape[0], 1))
+    tokens = 1.0 + np.concatenate([zero, np.cumsum((a * b) ** i, axis=1)], axis=1)
+    steps = np.concatenate([zero, np.cumsum(b ** (i - 1), axis=1)], axis=1)
+    drafts = np.concatenate([zero, np.cumsum(b ** i, axis=1)], axis=1)
+    return tokens, steps, drafts
 
 
 def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int, max_draft: int,
-              head_layers: float = 0.0) -> np.ndarray:
-    """TPL(ℓ, d) for every candidate layer (rows) and draft length d = 0..max_draft (columns).
-    ``head_layers`` > 0 also counts the LM head read by every draft and target step."""
-    d = np.arange(max_draft + 1)[None, :]
-    cost = d * (layers[:, None] + head_layers) + num_layers + head_layers
-    return expected_tokens(alpha, max_draft) / cost
+              head_layers: float = 0.0, pass_rate: np.ndarray | None = None) -> np.ndarray:
+    """TPL(ℓ, d) for every candidate layer (rows) and draft cap d = 0..max_draft (columns).
+    ``head_layers`` > 0 also counts the LM head read by every draft and target step;
+    ``pass_rate`` (with ``alpha`` then the acceptance of passing drafts) counts the draft steps
+    the confidence stop wastes (``round_expectations``)."""
+    tokens, steps, _ = round_expectations(alpha, max_draft, pass_rate)
+    cost = steps * (layers[:, None] + head_layers) + num_layers + head_layers
+    return tokens / cost
 
 
-def tpt_table(alpha: np.ndarray, draft_seconds: np.ndarray, verify_seconds: np.ndarray,
-              max_draft: int) -> np.ndarray:
+def tpt_table(alpha: np.ndarray, draft_seconds: np.ndarray, verify_seconds, max_draft: int,
+              pass_rate: np.ndarray | None = None) -> np.ndarray:
     """Tokens per second: draft_seconds[ℓ] per draft step at each candidate layer,
-    verify_seconds[d] for a verification of d drafts (d + 1 tokens per request)."""
-    d = np.arange(max_draft + 1)[None, :]
-    cost = d * draft_seconds[:, None] + verify_seconds[None, :]
-    return expected_tokens(alpha, max_draft) / cost
+    ``verify_seconds(tokens)`` for a verification of that many tokens per request (a line)."""
+    tokens, steps, drafts = round_expectations(alpha, max_draft, pass_rate)
+    v1 = verify_seconds(1.0)
+    cost = steps * draft_seconds[:, None] + v1 + (verify_seconds(2.0) - v1) * drafts
+    return tokens / cost
 
 
 @dataclass
@@ -91,12 +111,14 @@ class DELState:
     s_c: np.ndarray = field(default=None)
     s_tcs: np.ndarray = field(default=None)
     s_fcs: np.ndarray = field(default=None)
+    s_pass: np.ndarray = field(default=None)  # rows whose confidence cleared τ_ℓ
+    s_pass_c: np.ndarray = field(default=None)  # ... and matched
     rounds: int = 0
     next_shadow: int = 0  # the round of the next projection
     interval: int = 1  # rounds between projections (backs off while no exit pays off)
 
     def __post_init__(self) -> None:
-        for name in ("s_c", "s_tcs", "s_fcs"):
+        for name in ("s_c", "s_tcs", "s_fcs", "s_pass", "s_pass_c"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(self.n))
 
@@ -195,11 +217,17 @@ class DELPolicy(Policy):
             return
         match = (feedback.shadow_tokens == feedback.targets[None, :]).numpy()  # [layers, m]
         conf = feedback.shadow_conf.float().numpy()
+        # which rows the confidence stop (with the thresholds as they stand) would have let pass
+        floors = np.array([self.threshold(state, j) if self.dynamic_threshold else None
+                           for j in range(len(self.layers))], dtype=np.float64)
+        passed = ~(conf < np.nan_to_num(floors, nan=-1.0)[:, None])
         w = self.omega
         state.s_u = w * state.s_u + match.shape[1]
         state.s_c = w * state.s_c + match.sum(1)
         state.s_tcs = w * state.s_tcs + (conf * match).sum(1)
         state.s_fcs = w * state.s_fcs + (conf * ~match).sum(1)
+        state.s_pass = w * state.s_pass + passed.sum(1)
+        state.s_pass_c = w * state.s_pass_c + (passed & match).sum(1)
         # project every `shadow_every` rounds while drafting pays off; while it does not, back
         # off (x2 per projection, up to 8x): the estimates then only watch for a change
         drafting = self.propose(state).num_tokens > 0
@@ -215,25 +243,37 @@ class DELPolicy(Policy):
             return None  # no evidence on one side: do not stop on confidence
         return 0.5 * (state.s_tcs[j] / matched + state.s_fcs[j] / missed)
 
+    def gate(self, state: DELState) -> tuple[np.ndarray, np.ndarray]:
+        """(β, a) per layer: the share of shadow tokens that cleared the confidence threshold and
+        the acceptance among those (β = 1, a = α without the dynamic threshold)."""
+        if not self.dynamic_threshold or state.s_u <= 0:
+            return np.ones(len(self.layers)), self.alpha(state)
+        beta = state.s_pass / state.s_u
+        accept = np.divide(state.s_pass_c, state.s_pass, out=np.zeros(len(self.layers)),
+                           where=state.s_pass > 0)
+        return beta, accept
+
     def propose(self, state: DELState) -> DraftDecision:
         if state.s_u <= 0:
             return self.no_draft
-        table = self.table(self.alpha(state))
+        table = self.table(state)
         j, d = np.unravel_index(int(np.argmax(table)), table.shape)  # first max: d = 0 on ties
         if d == 0:
             return self.no_draft
         floor = self.threshold(state, int(j)) if self.dynamic_threshold else None
         return DraftDecision(self.plans[self.capture_layers[j]], int(d), floor)
 
-    def table(self, alpha: np.ndarray) -> np.ndarray:
-        """The objective over (candidate layer, draft length): TPT when measured, else TPL."""
+    def table(self, state: DELState) -> np.ndarray:
+        """The objective over (candidate layer, draft cap): TPT when measured, else TPL; both
+        count the draft steps the confidence stop wastes."""
+        beta, accept = self.gate(state)
         if self.cost == "time" and self.costs is not None:
             draft = [self.costs.draft_seconds(layer) for layer in self.capture_layers]
-            verify = [self.costs.verify_seconds(d + 1) for d in range(self.max_draft_tokens + 1)]
-            if None not in draft and None not in verify:
-                return tpt_table(alpha, np.array(draft), np.array(verify), self.max_draft_tokens)
-        return tpl_table(alpha, self.layers, self.model.num_layers, self.max_draft_tokens,
-                         self.model.lm_head_layers)
+            if None not in draft and self.costs.verify_seconds(1.0) is not None:
+                return tpt_table(accept, np.array(draft), self.costs.verify_seconds,
+                                 self.max_draft_tokens, beta)
+        return tpl_table(accept, self.layers, self.model.num_layers, self.max_draft_tokens,
+                         self.model.lm_head_layers, beta)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, "cost": self.cost, "heads": self.heads_path, "exit_layers": list(self.capture_layers),
