@@ -81,21 +81,34 @@ class SelfSpecProposer:
         heads_path = getattr(self.policy, "heads_path", None)
         if heads_path:
             self._load_heads(target_model, heads_path)
+        if self.config.draft_vocab_size is not None:
+            self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
+
+    def _identity(self):
+        """The target's identity (heads.identity) on TP rank 0 (None elsewhere): rank 0 holds
+        the fingerprinted embedding rows."""
+        from ..heads import identity_from_tensors
+
+        if compat.tp_rank() != 0:
+            return None
+        lay, info = self.executor.layout, self.info
+        return identity_from_tensors(
+            architecture=info.architecture, num_layers=info.num_layers,
+            hidden_size=info.hidden_size, vocab_size=info.vocab_size,
+            embed_weight=lay.embed_weight, norm_weight=lay.norm.weight)
+
+    def _load_draft_vocab(self, path: str, size: int) -> None:
+        from ..vocab import load_vocab
+
+        self.executor.set_draft_vocab(load_vocab(path, size, expect=self._identity()))
 
     def _load_heads(self, target_model, path: str) -> None:
         """Trained exit heads into the executor's head slots ("heads@<layer>"), after checking
         they were trained for this model (rank 0 holds the fingerprinted embedding rows)."""
-        from ..heads import identity_from_tensors, load_heads
+        from ..heads import load_heads
 
-        lay, info = self.executor.layout, self.info
-        expect = None
-        if compat.tp_rank() == 0:
-            expect = identity_from_tensors(
-                architecture=info.architecture, num_layers=info.num_layers,
-                hidden_size=info.hidden_size, vocab_size=info.vocab_size,
-                embed_weight=lay.embed_weight, norm_weight=lay.norm.weight)
-        heads = load_heads(path, expect=expect)
-        param = lay.norm.weight
+        heads = load_heads(path, expect=self._identity())
+        param = self.executor.layout.norm.weight
         for layer, head in heads.items():
             self.executor.heads[f"heads@{layer}"] = head.to(device=param.device,
                                                             dtype=param.dtype)
@@ -267,6 +280,7 @@ class SelfSpecProposer:
         block_table = bt.get_device_tensor(len(ib.req_ids))
         temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
         prob_rows_t = torch.tensor(prob_rows, dtype=torch.long)
+        vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
         alive = list(range(len(rows)))
         for step in range(max(gammas)):
             alive = [j for j in alive if gammas[j] > step]
@@ -291,7 +305,12 @@ class SelfSpecProposer:
                     q = torch.softmax(logits / torch.where(sampled_rows, t, 1.0)[:, None], -1)
                     draw = torch.multinomial(q.cpu(), 1, generator=self._generator).squeeze(1)
                     nxt = torch.where(sampled_rows, draw.to(nxt.device), nxt)
+                    if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
+                        q = q.new_zeros(len(alive), self.info.vocab_size).index_copy_(
+                            1, vocab_ids, q)
                     probs[prob_rows_t[J].to(probs.device), step] = q.to(probs.dtype)
+            if vocab_ids is not None:
+                nxt = vocab_ids[nxt]
             keep = None
             if need_conf:
                 conf = torch.softmax(logits, -1).amax(-1).tolist()
@@ -362,5 +381,9 @@ class SelfSpecProposer:
     def stats_dict(self) -> dict[str, Any]:
         d = self.stats.as_dict()
         d["policy"] = self.policy.describe()
+        (draft, verify) = self.costs.state()
+        # measured lines: seconds = a + b * layers (draft step) / a + b * tokens per request
+        d["costs"] = {"draft_step_s": draft, "verify_step_s": verify}
+        d["draft_vocab_size"] = self.config.draft_vocab_size
         d["live_requests"] = len(self.states)
         return d
