@@ -226,17 +226,21 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
 
 def markdown_table(methods: dict[str, dict]) -> str:
     lines = ["| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
-             "| parity | draft/verify/policy/shadow share |", "|" + "---|" * 8]
+             "| parity | draft/verify/policy/shadow/optimise share | skipped attn/MLP per round |",
+             "|" + "---|" * 9]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
         shares = "/".join(_fmt(share.get(k), pct=True) for k in ("draft", "verify", "policy",
-                                                                  "shadow")) \
+                                                                  "shadow", "optimise")) \
             if share else "–"
+        st = m["selfspec_stats"] or {}
+        skipped = (f"{_fmt(st.get('skipped_attn_per_round'), '.1f')}/"
+                   f"{_fmt(st.get('skipped_mlp_per_round'), '.1f')}") if st else "–"
         lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
                      f"| {_fmt(m['acceptance_rate'], pct=True)} "
                      f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
                      f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "
-                     f"| {shares} |")
+                     f"| {shares} | {skipped} |")
     return "\n".join(lines)
 
 
