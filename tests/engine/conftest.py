@@ -6,27 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from vllm_selfspec.loadtest import ENGINE_KW, cli_args
 from vllm_selfspec.serving import Server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-#: engine settings the served engine and the vanilla references share
-SERVE_KW = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=256)
-
-
-def cli_args(kw: dict) -> list[str]:
-    out = []
-    for k, v in kw.items():
-        flag = "--" + k.replace("_", "-")
-        out += [flag] if v is True else [flag, str(v)]
-    return out
 
 
 @pytest.fixture(scope="session")
 def served(model_path, tmp_path_factory):
     """`vllm serve` (vLLM's OpenAI server) on 127.0.0.1 with examples/selfspec-layerskip.json."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = [*cli_args(SERVE_KW), "--served-model-name", "smollm2",
+    args = [*cli_args(ENGINE_KW), "--served-model-name", "smollm2",
             "--speculative-config", str(EXAMPLES / "selfspec-layerskip.json")]
     with Server(model_path, args, log_path=log) as srv:
         yield srv
@@ -38,5 +28,5 @@ def vanilla_refs(model_path):
 
     from vllm_selfspec.loadtest import greedy_references
 
-    with engine(model_path, **SERVE_KW) as llm:
+    with engine(model_path, **ENGINE_KW) as llm:
         return greedy_references(llm)

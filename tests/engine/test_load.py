@@ -1,0 +1,36 @@
+"""Load and fault test on the served selfspec model (loopback only): 32 concurrent streaming
+clients for a bounded time, random aborts mid-stream, greedy and sampled requests, prompts of a
+few to a few hundred tokens. No errors; every completed greedy response equals vanilla vLLM's;
+no selfspec per-request state left afterwards; the server's memory stays flat.
+The longer version: benchmarks/load.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from vllm_selfspec.loadtest import run_load
+from vllm_selfspec.serving import parse_metrics
+
+pytestmark = pytest.mark.engine
+DURATION_S, CONCURRENCY, ABORT_PROB = 75, 32, 0.25
+LIVE = 'vllm:selfspec_live_requests{method="layerskip",model_name="smollm2"}'
+
+
+def test_load_with_aborts(served, vanilla_refs):
+    res = asyncio.run(run_load(served.url, "smollm2", vanilla_refs, DURATION_S, CONCURRENCY,
+                               abort_prob=ABORT_PROB, seed=1, rss_fn=served.rss_bytes))
+    summary = res.summary()
+    print("load:", json.dumps(summary))
+    assert not res.errors, res.errors[:5]
+    assert not res.mismatches, res.mismatches[:3]
+    assert res.greedy_checked >= 10 and res.aborted >= 3 and res.completed > res.greedy_checked
+    deadline = time.monotonic() + 15  # the last removals reach the workers with the next step
+    while (live := parse_metrics(served.get("/metrics"))[LIVE]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert live == 0
+    # memory: no growth from the first half of the run to the second (KV cache is preallocated)
+    first, second = summary["rss_mib_first_half_max"], summary["rss_mib_second_half_max"]
+    assert second <= first * 1.05, summary
