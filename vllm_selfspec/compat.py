@@ -32,9 +32,9 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
 ``get_tp_group().broadcast_object``                     rank 0's measured step costs to every rank
 ``get_tensor_model_parallel_rank``, ``embed_tokens``    trained heads' model fingerprint (rank 0)
 ``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
-``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
+``dispatch_cpu_unquantized_gemm``                       their GEMM on CPU: vLLM's (oneDNN, prepacked)
 =====================================================  ==============================================
 """
 from __future__ import annotations
@@ -98,14 +98,6 @@ def async_llm_class():
     return AsyncLLM
 
 
-def async_llm_class():
-    """vLLM's V1 front-end engine of the OpenAI server (its ``collective_rpc`` reaches the
-    workers)."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    return AsyncLLM
-
-
 def vllm_spec_methods() -> list[str]:
     """The speculative methods vLLM itself accepts (its pydantic Literal)."""
     import typing
@@ -152,6 +144,23 @@ def lm_head_layers(hf_config) -> float:
     attn = d * head_dim * (heads + 2 * kv) + heads * head_dim * d
     mlp = 3 * d * hf_config.intermediate_size
     return hf_config.vocab_size * d / (attn + mlp)
+
+
+def linear(weight):
+    """``x -> x @ weight.T`` with the GEMM vLLM itself uses for unquantized layers: on CPU its
+    oneDNN kernel with a prepacked weight (2-3x faster than ``F.linear`` for 2-16 rows here),
+    elsewhere ``F.linear``."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return lambda x: torch.nn.functional.linear(x, weight)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(weight, requires_grad=False)
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
+    return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
 def tp_rank() -> int:

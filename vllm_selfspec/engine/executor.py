@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import LlamaLayout
+from ..compat import LlamaLayout, linear
 from ..plans import LM_HEAD, LayerPlan
 
 
@@ -37,6 +37,7 @@ class PlanExecutor:
         """Draft logits over the tokens ``ids`` only (their LM-head rows, copied once)."""
         self.vocab_weight = self.layout.lm_head_rows(ids)
         self.vocab_ids = ids.to(self.vocab_weight.device)
+        self._vocab_linear = linear(self.vocab_weight)
 
     def run(self, plan: LayerPlan, input_ids: torch.Tensor,
             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -76,7 +77,7 @@ class PlanExecutor:
         if self.vocab_weight is None:
             return self.layout.compute_logits(x)
         lay = self.layout
-        logits = torch.nn.functional.linear(x, self.vocab_weight)
+        logits = self._vocab_linear(x)
         if lay.logit_soft_cap is not None:  # as vLLM's LogitsProcessor
             logits = torch.tanh(logits / lay.logit_soft_cap) * lay.logit_soft_cap
         return logits * lay.logit_scale if lay.logit_scale != 1.0 else logits
