@@ -10,7 +10,8 @@ The same JSON works everywhere vLLM takes a speculative config::
 Keys: ``method`` (a selfspec method), ``num_speculative_tokens`` (the draft length, or its upper
 bound for adaptive methods), ``capture_tokens`` (rows of verified-token hidden states handed to
 the policy per request and step), ``draft_vocab_size`` (draft logits over the N most frequent
-tokens only; null: the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
+tokens only; null: the full vocabulary; "auto": ``AUTO_DRAFT_VOCAB_SIZE`` when the model has a
+cached map, else the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
 the model's cached one, see ``vocab.py``) and the method's own options (``policies/<method>.py``).
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ from .policies import POLICIES, ModelInfo
 #: config keys shared by every method, with defaults
 COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32,
                                   "draft_vocab_size": None, "draft_vocab": "auto"}
+#: draft_vocab_size "auto": the reduced vocabulary measured best on the embedded model
+#: (docs/benchmarks.md, "Cheap draft steps")
+AUTO_DRAFT_VOCAB_SIZE = 8192
 #: vLLM's MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py)
 MAX_SPECULATIVE_TOKENS = 128
 #: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
@@ -106,11 +110,11 @@ class SelfSpecConfig:
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             raise SelfSpecConfigError(f"capture_tokens must be a positive integer, got {cap!r}")
         n_vocab, vocab = merged.pop("draft_vocab_size"), merged.pop("draft_vocab")
-        if n_vocab is not None and (not isinstance(n_vocab, int) or isinstance(n_vocab, bool)
-                                    or n_vocab < 1):
+        if n_vocab not in (None, "auto") and (not isinstance(n_vocab, int)
+                                              or isinstance(n_vocab, bool) or n_vocab < 1):
             raise SelfSpecConfigError(
-                f"draft_vocab_size must be a positive integer or null (the full vocabulary), "
-                f"got {n_vocab!r}")
+                f"draft_vocab_size must be a positive integer, \"auto\" or null (the full "
+                f"vocabulary), got {n_vocab!r}")
         if not isinstance(vocab, str) or not vocab:
             raise SelfSpecConfigError(
                 f"draft_vocab must be \"auto\" or a draft-vocabulary directory, got {vocab!r}")
@@ -131,7 +135,7 @@ class SelfSpecConfig:
             POLICIES[self.method].validate(self.options, model)
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
-        if self.draft_vocab_size is not None:
+        if self.draft_vocab_size not in (None, "auto"):
             self._validate_draft_vocab(model)
 
     def _validate_draft_vocab(self, model: ModelInfo) -> None:
@@ -159,20 +163,25 @@ class SelfSpecConfig:
             options = POLICIES[self.method].resolve(dict(self.options), model_path)
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
-        vocab = self.draft_vocab
-        if self.draft_vocab_size is not None and vocab == "auto":
+        n, vocab = self.draft_vocab_size, self.draft_vocab
+        if n is not None and vocab == "auto":
             from .vocab import cached_vocab, default_vocab_dir
 
             found = cached_vocab(model_path)
-            if found is None:
+            if found is None and n == "auto":  # no map: the full vocabulary, as asked
+                n = None
+            elif found is None:
                 raise SelfSpecConfigError(
                     f"draft_vocab_size needs the model's token-frequency map, and none is "
                     f"cached at {default_vocab_dir(model_path)}: build it once with "
                     f"`vllm-selfspec build-vocab --model {model_path}` (a few minutes), or "
                     f"set draft_vocab to a map directory")
-            vocab = str(found)
+            else:
+                vocab = str(found)
+        if n == "auto":
+            n = AUTO_DRAFT_VOCAB_SIZE
         return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
-                              options, self.draft_vocab_size, vocab)
+                              options, n, vocab)
 
     def make_policy(self, model: ModelInfo):
         return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

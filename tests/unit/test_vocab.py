@@ -98,3 +98,17 @@ def test_an_explicit_map_is_checked_against_the_model(tmp_path):
                                    "draft_vocab_size": 4, "draft_vocab": str(tmp_path / "no")})
     with pytest.raises(SelfSpecConfigError, match="draft_vocab: .*not a draft-vocabulary"):
         missing.validate_for_model(MODEL)
+
+
+def test_auto_size_uses_a_cached_map_or_the_full_vocabulary(tmp_path, monkeypatch):
+    from vllm_selfspec.config import AUTO_DRAFT_VOCAB_SIZE
+    from vllm_selfspec.vocab import default_vocab_dir
+
+    monkeypatch.setenv("VLLM_SELFSPEC_HOME", str(tmp_path / "home"))
+    model = str(tmp_path / "m")
+    cfg = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2, "draft_vocab_size": "auto"})
+    assert cfg.resolved(model).draft_vocab_size is None  # no map: full vocabulary, no error
+    save_vocab(default_vocab_dir(model), torch.ones(10, dtype=torch.int64), IDENT, {})
+    r = cfg.resolved(model)
+    assert r.draft_vocab_size == AUTO_DRAFT_VOCAB_SIZE and r.draft_vocab == str(
+        default_vocab_dir(model))
