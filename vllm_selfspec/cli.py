@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="map directory (default: $VLLM_SELFSPEC_HOME/vocab/<model>-<hash>)")
     p.add_argument("--sources", default=None,
-                   help="prompt corpus: pydoc, chat, humaneval and/or JSONL files (default pydoc)")
+                   help="prompt corpus: pydoc, topics, chat, humaneval and/or JSONL files "
+                        "(default pydoc,topics)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--force", action="store_true", help="build again even if cached")

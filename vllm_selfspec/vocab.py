@@ -9,7 +9,8 @@ still be emitted, only not drafted.
 
 The map counts the tokens of the model's own greedy generations on an offline prompt corpus, and
 of the corpus prompts themselves (by default Python's documentation, ``pydoc_data``, as raw text to
-continue and as chat requests — no benchmark prompt), once per model (``vllm-selfspec
+continue and as chat requests, and everyday requests on ``TOPICS`` — no benchmark prompt), once
+per model (``vllm-selfspec
 build-vocab``), and is cached beside the trained heads. Tokens never seen rank by id: BPE
 vocabularies give lower ids to earlier (more frequent) merges. On disk, in the heads' format family (docs/heads.md)::
 
@@ -34,7 +35,31 @@ FORMAT = "vllm-selfspec-draft-vocab"
 VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "vocab.safetensors"
-DEFAULT_SOURCES = "pydoc"
+DEFAULT_SOURCES = "pydoc,topics"
+#: the "topics" source: everyday requests on these subjects (none is a benchmark prompt)
+TOPICS = ("bread baking", "a lighthouse keeper", "volcanoes", "chess openings", "saving money",
+          "a train journey", "honey bees", "learning a language", "the moon landing",
+          "a rainy market day", "bicycle repair", "ancient Rome", "houseplants", "jazz music",
+          "a lost umbrella", "ocean tides", "a job interview", "mountain hiking", "coffee",
+          "the printing press", "a birthday party", "electric cars", "a small robot",
+          "winter in a city")
+TEMPLATES = ("Write a short story about {}.", "Explain {} to a ten-year-old.",
+             "Give me five facts about {}.", "Write an email to a friend about {}.",
+             "What are the pros and cons of {}?", "Write a Python program related to {}.")
+
+
+def topic_prompts(tokenizer) -> list[str]:
+    """The "topics" source: ``TEMPLATES`` x ``TOPICS`` as chat requests (chat-templated when the
+    tokenizer has a template)."""
+    out = []
+    for i, topic in enumerate(TOPICS):
+        for text in (TEMPLATES[i % len(TEMPLATES)], TEMPLATES[(i + 3) % len(TEMPLATES)]):
+            msg = text.format(topic)
+            if getattr(tokenizer, "chat_template", None):
+                msg = tokenizer.apply_chat_template([{"role": "user", "content": msg}],
+                                                    tokenize=False, add_generation_prompt=True)
+            out.append(msg)
+    return out
 
 
 class DraftVocabError(ValueError):
@@ -174,7 +199,12 @@ def build_vocab(model_path: str, out: str | Path | None = None, *,
     out = Path(out) if out is not None else default_vocab_dir(model_path)
     identity = identity_from_checkpoint(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = [p.text for p in load_corpus(sources, tokenizer, model_path)][:max_prompts]
+    names = [x.strip() for x in sources.split(",") if x.strip()]
+    prompts = topic_prompts(tokenizer) if "topics" in names else []
+    rest = ",".join(n for n in names if n != "topics")
+    if rest:
+        prompts += [p.text for p in load_corpus(rest, tokenizer, model_path)]
+    prompts = prompts[:max_prompts]
     t0 = time.perf_counter()
     llm = LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=2048,
               gpu_memory_utilization=0.3, seed=0, max_num_seqs=batch_size)

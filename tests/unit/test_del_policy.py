@@ -129,6 +129,15 @@ def test_lm_head_counts_as_layers_in_tpl():
     assert t[0, 1] == pytest.approx((1 + 0.9) / ((6 + 8) + L + 8))
 
 
+def test_a_reduced_draft_vocabulary_makes_draft_steps_cheaper_in_tpl():
+    p = make(exit_layers=[6])
+    p.model = ModelInfo(L, 64, 100, "LlamaForCausalLM", lm_head_layers=8.0, draft_head_layers=1.0)
+    s = p.new_state()
+    match = np.arange(100) % 10 != 0  # alpha 0.9 at layer 6
+    p.observe(s, feedback(match[None, :], np.full((1, 100), 0.5)))
+    assert p.table(s)[0, 1] == pytest.approx((1 + 0.9) / ((6 + 1) + L + 8))
+
+
 class FakeCosts:
     def __init__(self, draft, verify):
         self.draft, self.verify = draft, verify

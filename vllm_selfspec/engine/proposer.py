@@ -14,6 +14,7 @@ vLLM's rejection sampler accepted a prefix):
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from typing import Any
@@ -43,6 +44,9 @@ class SelfSpecProposer:
         self.vllm_config = vllm_config
         self.config = SelfSpecConfig.load(opts)
         self.info = compat.model_info(vllm_config)
+        if self.config.draft_vocab_size is not None:  # the draft reads N of V LM-head rows
+            self.info = dataclasses.replace(self.info, draft_head_layers=(
+                self.info.lm_head_layers * self.config.draft_vocab_size / self.info.vocab_size))
         self.policy = self.config.make_policy(self.info)
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len

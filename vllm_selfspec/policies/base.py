@@ -33,6 +33,8 @@ class ModelInfo:
     #: the LM head's weight count in decoder layers (V·d / weights per layer): what reading the
     #: head costs a memory-bound step, in the unit of TPL's "loaded layers"
     lm_head_layers: float = 0.0
+    #: the same for the draft's head (less with a reduced draft vocabulary); None: lm_head_layers
+    draft_head_layers: float | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ Per request and per round:
   below ``τ`` pay a draft step for nothing (two thirds of the rounds in an earlier benchmark).
   ``cost``: ``"layers"`` is the paper's TPL with the LM head counted as the ``h`` layers its weights
   amount to (``d(ℓ+h) + L + h``: h ≈ 0.6 for Llama-2-7B, 8 for the embedded SmolLM2-135M);
+  the draft's head counts less with a reduced draft vocabulary (``draft_vocab_size``);
   ``"time"`` is tokens per second with the engine's measured seconds per draft step (a line in
   ℓ) and per verification (a line in tokens per request), falling back to layers until measured.
 * The first round uses the statistics of the last ``capture_tokens`` prompt tokens.
@@ -82,13 +83,16 @@ def round_expectations(accept: np.ndarray, max_draft: int, pass_rate: np.ndarray
 
 
 def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int, max_draft: int,
-              head_layers: float = 0.0, pass_rate: np.ndarray | None = None) -> np.ndarray:
+              head_layers: float = 0.0, pass_rate: np.ndarray | None = None,
+              draft_head_layers: float | None = None) -> np.ndarray:
     """TPL(ℓ, d) for every candidate layer (rows) and draft cap d = 0..max_draft (columns).
-    ``head_layers`` > 0 also counts the LM head read by every draft and target step;
+    ``head_layers`` > 0 also counts the LM head read by every target step, and by every draft
+    step unless ``draft_head_layers`` says otherwise (a reduced draft vocabulary);
     ``pass_rate`` (with ``alpha`` then the acceptance of passing drafts) counts the draft steps
     the confidence stop wastes (``round_expectations``)."""
     tokens, steps, _ = round_expectations(alpha, max_draft, pass_rate)
-    cost = steps * (layers[:, None] + head_layers) + num_layers + head_layers
+    draft_head = head_layers if draft_head_layers is None else draft_head_layers
+    cost = steps * (layers[:, None] + draft_head) + num_layers + head_layers
     return tokens / cost
 
 
@@ -127,7 +131,9 @@ class DELPolicy(Policy):
     name = "del"
     options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True,
                "cost": "layers", "heads": "auto"}
-    common_defaults = {"num_speculative_tokens": 18, "capture_tokens": 8}
+    # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
+    # 0.95x vs 0.81x with trained heads at bs 1, docs/benchmarks.md)
+    common_defaults = {"num_speculative_tokens": 18, "capture_tokens": 8, "draft_vocab_size": "auto"}
     shadow = True
 
     @classmethod
@@ -273,7 +279,7 @@ class DELPolicy(Policy):
                 return tpt_table(accept, np.array(draft), self.costs.verify_seconds,
                                  self.max_draft_tokens, beta)
         return tpl_table(accept, self.layers, self.model.num_layers, self.max_draft_tokens,
-                         self.model.lm_head_layers, beta)
+                         self.model.lm_head_layers, beta, self.model.draft_head_layers)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, "cost": self.cost, "heads": self.heads_path, "exit_layers": list(self.capture_layers),
