@@ -215,3 +215,23 @@ def test_rounds_whose_drafts_fail_the_threshold_are_not_worth_drafting():
     assert beta[0] < 0.3 and accept[0] > 0.9  # (the first round had no threshold yet)
     assert ungated.propose(su).num_tokens > 0
     assert p.propose(s).num_tokens == 0
+
+
+def test_real_confidence_stops_replace_the_shadow_pass_rate():
+    """Shadow tokens say layer 6 passes τ and matches (draft); real drafts there keep getting
+    stopped at the first token: DEL learns it from the rounds' feedback and stops drafting."""
+    p = make(exit_layers=[6])
+    p.model = ModelInfo(L, 64, 100, "LlamaForCausalLM", lm_head_layers=8.0)
+    s = p.new_state()
+    match = (np.arange(100) % 10 != 0)[None, :]
+    conf = np.where(match, 0.9, 0.2)
+    p.observe(s, feedback(match, conf))
+    d = p.propose(s)
+    assert d.num_tokens > 0 and s.last == (0, d.num_tokens)
+    for _ in range(6):  # every real draft stopped at once: 0 drafts verified
+        p.observe(s, Feedback(0, 0, 100))
+        if p.propose(s).num_tokens == 0:
+            break
+    beta, _ = p.gate(s)
+    assert beta[0] < 0.5 and p.propose(s).num_tokens == 0
+    assert s.s_steps[0] >= 4 and s.s_stops[0] == pytest.approx(s.s_steps[0])

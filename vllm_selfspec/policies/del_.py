@@ -21,6 +21,8 @@ Per request and per round:
   ``1 + Σ_{i≤d} (β a)^i`` tokens for ``Σ_{i<d} β^i`` draft steps (the failing token's step is
   paid); β = 1 is the paper's formula. Without it, rounds whose first draft token is usually
   below ``τ`` pay a draft step for nothing (two thirds of the rounds in an earlier benchmark).
+  Once a layer has drafted for real, β is the decayed pass rate of its real draft steps (read
+  from how many drafts the last round kept), not the shadow estimate.
   ``cost``: ``"layers"`` is the paper's TPL with the LM head counted as the ``h`` layers its weights
   amount to (``d(ℓ+h) + L + h``: h ≈ 0.6 for Llama-2-7B, 8 for the embedded SmolLM2-135M);
   the draft's head counts less with a reduced draft vocabulary (``draft_vocab_size``);
@@ -52,6 +54,9 @@ from ..plans import LayerPlan
 from .base import DraftDecision, Feedback, ModelInfo, Policy
 
 
+#: real draft steps at a layer (decayed) after which their confidence-stop rate replaces the
+#: shadow tokens' estimate of it
+MIN_REAL_STEPS = 4.0
 #: the trained heads DEL drafts through by default (lightweight: one d x d matrix per exit)
 HEAD_KIND = "adadecode"
 
@@ -117,12 +122,15 @@ class DELState:
     s_fcs: np.ndarray = field(default=None)
     s_pass: np.ndarray = field(default=None)  # rows whose confidence cleared τ_ℓ
     s_pass_c: np.ndarray = field(default=None)  # ... and matched
+    s_steps: np.ndarray = field(default=None)  # draft steps really run at each layer
+    s_stops: np.ndarray = field(default=None)  # ... that the confidence stop dropped
+    last: tuple[int, int] | None = None  # (layer index, draft cap) of the last proposal
     rounds: int = 0
     next_shadow: int = 0  # the round of the next projection
     interval: int = 1  # rounds between projections (backs off while no exit pays off)
 
     def __post_init__(self) -> None:
-        for name in ("s_c", "s_tcs", "s_fcs", "s_pass", "s_pass_c"):
+        for name in ("s_c", "s_tcs", "s_fcs", "s_pass", "s_pass_c", "s_steps", "s_stops"):
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(self.n))
 
@@ -219,6 +227,17 @@ class DELPolicy(Policy):
 
     def observe(self, state: DELState, feedback: Feedback) -> None:
         state.rounds += 1
+        # real-draft evidence fades every round, so a layer that stopped drafting is tried
+        # again once the shadow estimate alone says it pays
+        state.s_steps *= self.omega
+        state.s_stops *= self.omega
+        if state.last is not None:  # what the confidence stop did to the last real draft
+            j, cap = state.last
+            kept = feedback.num_drafted
+            stopped = int(kept < cap)
+            state.s_steps[j] += kept + stopped
+            state.s_stops[j] += stopped
+            state.last = None
         if feedback.shadow_tokens is None:
             return
         match = (feedback.shadow_tokens == feedback.targets[None, :]).numpy()  # [layers, m]
@@ -236,7 +255,7 @@ class DELPolicy(Policy):
         state.s_pass_c = w * state.s_pass_c + (passed & match).sum(1)
         # project every `shadow_every` rounds while drafting pays off; while it does not, back
         # off (x2 per projection, up to 8x): the estimates then only watch for a change
-        drafting = self.propose(state).num_tokens > 0
+        drafting = self._choose(state)[1] > 0
         state.interval = self.every if drafting else min(2 * state.interval, 8 * self.every)
         state.next_shadow = state.rounds + state.interval - 1
 
@@ -255,19 +274,28 @@ class DELPolicy(Policy):
         if not self.dynamic_threshold or state.s_u <= 0:
             return np.ones(len(self.layers)), self.alpha(state)
         beta = state.s_pass / state.s_u
+        # where real drafts ran often enough, their pass rate replaces the shadow estimate
+        real = state.s_steps >= MIN_REAL_STEPS
+        beta = np.where(real, 1.0 - state.s_stops / np.maximum(state.s_steps, 1e-9), beta)
         accept = np.divide(state.s_pass_c, state.s_pass, out=np.zeros(len(self.layers)),
                            where=state.s_pass > 0)
         return beta, accept
 
-    def propose(self, state: DELState) -> DraftDecision:
+    def _choose(self, state: DELState) -> tuple[int, int]:
+        """(candidate layer index, draft cap) maximising the objective; cap 0 = no draft."""
         if state.s_u <= 0:
-            return self.no_draft
+            return 0, 0
         table = self.table(state)
         j, d = np.unravel_index(int(np.argmax(table)), table.shape)  # first max: d = 0 on ties
+        return int(j), int(d)
+
+    def propose(self, state: DELState) -> DraftDecision:
+        j, d = self._choose(state)
         if d == 0:
             return self.no_draft
-        floor = self.threshold(state, int(j)) if self.dynamic_threshold else None
-        return DraftDecision(self.plans[self.capture_layers[j]], int(d), floor)
+        state.last = (j, d)
+        floor = self.threshold(state, j) if self.dynamic_threshold else None
+        return DraftDecision(self.plans[self.capture_layers[j]], d, floor)
 
     def table(self, state: DELState) -> np.ndarray:
         """The objective over (candidate layer, draft cap): TPT when measured, else TPL; both
