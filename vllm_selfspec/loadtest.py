@@ -39,8 +39,10 @@ PROMPTS = [
 MAX_TOKENS = 32  # greedy references are this long; requests ask for 1..MAX_TOKENS
 #: engine settings the served engine and the vanilla references share (vllm.LLM keywords; the
 #: server gets the same as command-line flags, see ``cli_args``)
+#: (a fixed 1 GiB KV cache, ~23k tokens of the embedded model: enough for 32 long requests, and a
+#: small footprint for a server that the test session keeps up)
 ENGINE_KW = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                 gpu_memory_utilization=0.3, max_num_seqs=32, max_num_batched_tokens=256)
+                 kv_cache_memory_bytes=1 << 30, max_num_seqs=32, max_num_batched_tokens=256)
 
 
 def cli_args(kw: dict[str, Any]) -> list[str]:
