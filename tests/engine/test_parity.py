@@ -40,6 +40,9 @@ CONFIGS = {
              "num_speculative_tokens": 3},
     # DEL with the raw LM head: shadow tokens every round; it drafts only when an exit pays off
     "del": {"method": "del", "shadow_every": 1},
+    # the full model drafting through the reduced vocabulary (the embedded model's cached map)
+    "vocab": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3,
+              "draft_vocab_size": 4096},
 }
 
 
@@ -70,7 +73,11 @@ def test_greedy_parity(model_path, vanilla, name):
         assert stats["accepted_tokens"] <= stats["drafted_tokens"]
         return
     assert stats["drafted_tokens"] > 0, "the drafter never ran"
-    if name == "full":
+    if name == "vocab":
+        # full-depth drafts miss only where the target's token is outside the 4096 (and the
+        # drafts after it); a wrong column -> token mapping would reject nearly everything
+        assert stats["accepted_tokens"] >= 0.5 * stats["drafted_tokens"]
+    elif name == "full":
         # the full model drafting for itself must be accepted every time
         assert stats["accepted_tokens"] == stats["drafted_tokens"]
     else:

@@ -5,6 +5,9 @@ vanilla vLLM and with a shallow-exit drafter (exit after 1 of 4 layers, 3 drafts
 distribution q is far from the target's). Per output position, a chi-square two-sample test
 compares the token histograms. Greedy requests run in the same batch and must stay token-identical.
 
+The same with a reduced draft vocabulary (8 of the 32 tokens): drafts are drawn from the
+distribution renormalised over the 8 tokens, which is what the rejection sampler must be given.
+
 Negative control (shows the test can fail): the same run with the draft probabilities handed to
 vLLM's rejection sampler replaced by the same distribution shifted by one token — no longer the distribution the drafts
 were drawn from — must be detected as a different distribution at the same significance level.
@@ -18,6 +21,7 @@ from scipy.stats import chi2_contingency
 from selfspec_testing import engine
 from vllm import SamplingParams
 
+import vllm_selfspec
 from vllm_selfspec.engine.proposer import SelfSpecProposer
 
 pytestmark = pytest.mark.engine
@@ -46,8 +50,8 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
-def _sample(llm) -> tuple[np.ndarray, list[list[int]]]:
-    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def _sample(llm, temperature: float = 1.0) -> tuple[np.ndarray, list[list[int]]]:
+    sp = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [PROMPT] * N + [{"prompt_token_ids": [3, i % VOCAB, 4]} for i in range(8)]
     params = [sp] * N + [greedy] * 8
@@ -81,6 +85,20 @@ def test_sampling_keeps_target_distribution(tiny_model, vanilla):
     assert p > ALPHA, f"self-spec sampling distribution differs from vanilla (p={p:.2e})"
 
 
+def test_sampling_with_a_reduced_draft_vocabulary(tiny_model, vanilla, tmp_path):
+    from vllm_selfspec.vocab import identity_from_checkpoint, save_vocab
+
+    # the map ranks the tokens the peaked target emits least first: many drafts cannot match
+    counts = torch.bincount(torch.from_numpy(vanilla[0]).flatten(), minlength=VOCAB)
+    vocab = save_vocab(tmp_path / "vocab", -counts, identity_from_checkpoint(tiny_model), {})
+    spec = {**SPEC, "draft_vocab_size": 8, "draft_vocab": str(vocab)}
+    with engine(tiny_model, speculative_config=spec, **KW) as llm:
+        sampled, greedy = _sample(llm)
+    assert greedy == vanilla[1], "greedy requests in a sampled batch changed"
+    p = _min_pvalue(vanilla[0], sampled)
+    assert p > ALPHA, f"reduced-vocabulary drafts changed the distribution (p={p:.2e})"
+
+
 def test_wrong_draft_probs_are_detected(tiny_model, vanilla, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # patch reaches the worker
     orig = SelfSpecProposer.take_draft_probs
@@ -96,3 +114,17 @@ def test_wrong_draft_probs_are_detected(tiny_model, vanilla, monkeypatch):
         sampled, _ = _sample(llm)
     p = _min_pvalue(vanilla[0], sampled)
     assert p < ALPHA, f"a wrong draft distribution went undetected (p={p:.2e})"
+
+
+def test_del_sampling_at_temperature_0_6(tiny_model):
+    """DEL's adaptive drafts (per-request exit and length, confidence stop) at T = 0.6."""
+    spec = {"method": "del", "exit_layers": [1, 2], "shadow_every": 1, "capture_tokens": 4}
+    with engine(tiny_model, **KW) as llm:
+        want, want_greedy = _sample(llm, temperature=0.6)
+    with engine(tiny_model, speculative_config=spec, **KW) as llm:
+        got, greedy = _sample(llm, temperature=0.6)
+        stats = vllm_selfspec.get_stats(llm)
+    assert stats["drafted_tokens"] > 0, "DEL never drafted: the test would be vacuous"
+    assert greedy == want_greedy, "greedy requests in a sampled batch changed"
+    p = _min_pvalue(want, got)
+    assert p > ALPHA, f"DEL sampling at T=0.6 differs from vanilla (p={p:.2e})"

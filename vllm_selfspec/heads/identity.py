@@ -55,15 +55,18 @@ class ModelIdentity:
                                      + "; ".join(diffs) + ")")
 
 
-def weights_fingerprint(embed_weight: torch.Tensor, norm_weight: torch.Tensor) -> str:
+def weights_fingerprint(embed_weight: torch.Tensor, norm_weight: torch.Tensor,
+                        vocab_size: int | None = None) -> str:
     """sha256 (first 16 hex digits) of bf16-rounded embedding slices + the final-norm weight.
 
-    ``embed_weight`` may be a vocab shard as long as it starts at row 0 (TP rank 0)."""
-    if embed_weight.dim() != 2 or embed_weight.shape[0] < FINGERPRINT_ROWS:
-        raise ValueError(f"embedding weight needs >= {FINGERPRINT_ROWS} rows [vocab, hidden], "
+    ``embed_weight`` may be a vocab shard as long as it starts at row 0 (TP rank 0); a vocabulary
+    (``vocab_size``) smaller than ``FINGERPRINT_ROWS`` is hashed whole."""
+    rows = min(FINGERPRINT_ROWS, vocab_size or FINGERPRINT_ROWS)
+    if embed_weight.dim() != 2 or embed_weight.shape[0] < rows:
+        raise ValueError(f"embedding weight needs >= {rows} rows [vocab, hidden], "
                          f"got shape {tuple(embed_weight.shape)}")
     h = hashlib.sha256()
-    for t in (embed_weight[:FINGERPRINT_ROWS, ::FINGERPRINT_COL_STRIDE], norm_weight.reshape(-1)):
+    for t in (embed_weight[:rows, ::FINGERPRINT_COL_STRIDE], norm_weight.reshape(-1)):
         # through float32 first: bf16 from fp32 is the same round-to-nearest vLLM's loader does
         t = t.detach().to("cpu", torch.float32).to(torch.bfloat16).contiguous()
         h.update(str(tuple(t.shape)).encode())
@@ -78,7 +81,7 @@ def identity_from_tensors(*, architecture: str, num_layers: int, hidden_size: in
     and ``model.norm.weight`` with its HF config's architecture / sizes."""
     return ModelIdentity(architecture=architecture, num_layers=int(num_layers),
                          hidden_size=int(hidden_size), vocab_size=int(vocab_size),
-                         fingerprint=weights_fingerprint(embed_weight, norm_weight))
+                         fingerprint=weights_fingerprint(embed_weight, norm_weight, vocab_size))
 
 
 def identity_from_hf(model) -> ModelIdentity:
