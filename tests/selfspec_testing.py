@@ -26,3 +26,22 @@ def engine(model: str, **kw):
 
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def save_tiny_llama(path, vocab: int, lm_head_scale: float = 1.0) -> str:
+    """A seeded random-weight 4-layer Llama (4 heads / 2 KV heads, hidden 128) saved at ``path``,
+    with scaled-up embeddings (and LM head) so its distributions are peaked."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
+        model.model.embed_tokens.weight.mul_(30.0)
+    model.save_pretrained(path)
+    return str(path)

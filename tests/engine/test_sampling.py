@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from selfspec_testing import engine
+from selfspec_testing import engine, save_tiny_llama
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -34,20 +34,8 @@ KW = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=64)
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # peaked, position-dependent distributions
-        model.lm_head.weight.mul_(60.0)
-        model.model.embed_tokens.weight.mul_(30.0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    return str(path)
+    # peaked, position-dependent distributions
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), VOCAB, lm_head_scale=60.0)
 
 
 def _sample(llm, temperature: float = 1.0) -> tuple[np.ndarray, list[list[int]]]:

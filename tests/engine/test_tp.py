@@ -8,8 +8,7 @@ have taken the same decisions (its statistics are replicas of rank 0's).
 from __future__ import annotations
 
 import pytest
-import torch
-from selfspec_testing import engine, token_ids
+from selfspec_testing import engine, save_tiny_llama, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -41,19 +40,7 @@ def tp_env():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(30.0)
-    path = tmp_path_factory.mktemp("tiny-llama-tp")
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
 
 
 def _generate(llm) -> list[list[int]]:
