@@ -14,7 +14,8 @@ V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/wo
   ``propose_draft_token_ids``, ``execute_model``,
   ``sample_tokens``, ``_on_request_state_removed``,
   ``_setup_eagle3_aux_hidden_state_outputs``,
-  ``_draft_probs`` / ``_draft_prob_req_ids``,
+  ``_draft_probs`` / ``_draft_prob_req_ids`` (read
+  as ``_draft_probs[row, :n]``: any indexable works),
   ``use_aux_hidden_state_outputs``, ``input_batch``
   (``req_ids``, ``num_tokens_no_spec``,
   ``token_ids_cpu``, ``block_table[0]``), ``attn_groups``

@@ -141,17 +141,21 @@ async def _one(session, url: str, model: str, rng: random.Random, refs, res: Loa
                                    "expected": expect})
 
 
-async def _client(url, model, seed, deadline, refs, res, abort_prob) -> None:
+async def _client(url, model, seed, deadline, duration_s, refs, res, abort_prob) -> None:
     import aiohttp
 
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # one connection per request: a pooled keep-alive connection can be closed by the server's
+    # idle timeout just as the client reuses it, which would read as a server fault here
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         while time.monotonic() < deadline:
             try:
                 await _one(session, url, model, rng, refs, res, abort_prob)
             except Exception as e:  # connection errors, timeouts, bad JSON
-                res.errors.append(f"{type(e).__name__}: {e}"[:300])
+                t = time.monotonic() - (deadline - duration_s)
+                res.errors.append(f"{type(e).__name__} at {t:.1f}s: {e}"[:300])
 
 
 async def _sample_rss(rss_fn: Callable[[], int], res: LoadResult, t0: float, stop) -> None:
@@ -171,8 +175,8 @@ async def run_load(url: str, model: str, refs: list[dict[str, list[int]]], durat
     t0 = time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_rss(rss_fn, res, t0, stop)) if rss_fn else None
-    await asyncio.gather(*(_client(url, model, seed * 1000 + c, t0 + duration_s, refs, res,
-                                   abort_prob) for c in range(concurrency)))
+    await asyncio.gather(*(_client(url, model, seed * 1000 + c, t0 + duration_s, duration_s,
+                                   refs, res, abort_prob) for c in range(concurrency)))
     res.duration_s = time.monotonic() - t0
     stop.set()
     if sampler:

@@ -94,7 +94,8 @@ def test_wrong_draft_probs_are_detected(tiny_model, vanilla, monkeypatch):
     def shifted_probs(self):
         probs, ids = orig(self)
         if probs is not None:
-            probs = torch.roll(probs, shifts=1, dims=-1)
+            probs.rows = [None if q is None else torch.roll(q, shifts=1, dims=-1)
+                          for q in probs.rows]
         return probs, ids
 
     monkeypatch.setattr(SelfSpecProposer, "take_draft_probs", shifted_probs)
@@ -102,6 +103,26 @@ def test_wrong_draft_probs_are_detected(tiny_model, vanilla, monkeypatch):
         sampled, _ = _sample(llm)
     p = _min_pvalue(vanilla[0], sampled)
     assert p < ALPHA, f"a wrong draft distribution went undetected (p={p:.2e})"
+
+
+def test_drafts_verified_steps_later_keep_their_q(tiny_model, monkeypatch):
+    """A token budget that fits 3 of 12 running drafting requests per step: most requests are verified
+    steps after they drafted, and their q must still reach the rejection sampler (vLLM's runner
+    otherwise falls back to treating every draft of the step as deterministic)."""
+    from vllm.v1.worker import gpu_model_runner
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker runs in-process
+    warnings: list[str] = []
+    monkeypatch.setattr(gpu_model_runner.logger, "warning",
+                        lambda msg, *a, **k: warnings.append(msg % a))
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=None)
+    prompts = [{"prompt_token_ids": [3, i % VOCAB, 4]} for i in range(24)]
+    kw = {**KW, "max_num_seqs": 12, "max_num_batched_tokens": 12}
+    with engine(tiny_model, speculative_config=SPEC, **kw) as llm:
+        llm.generate(prompts, [sp] * len(prompts), use_tqdm=False)
+        stats = vllm_selfspec.get_stats(llm)
+    assert stats["drafted_tokens"] > 100
+    assert not [w for w in warnings if "draft probabilities" in w], warnings[:3]
 
 
 def test_del_sampling_at_temperature_0_6(tiny_model):

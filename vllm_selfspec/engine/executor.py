@@ -42,11 +42,15 @@ class PlanExecutor:
     def run(self, plan: LayerPlan, input_ids: torch.Tensor,
             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(pending, residual)`` after the plan's last layer (the stream is their sum)."""
-        lay = self.layout
-        h = lay.embed(input_ids)
-        res = None
-        for i in range(plan.exit_layer):
-            layer = lay.layers[i]
+        return self.run_layers(plan, self.layout.embed(input_ids), None, positions,
+                               0, plan.exit_layer)
+
+    def run_layers(self, plan: LayerPlan, h: torch.Tensor, res: torch.Tensor | None,
+                   positions: torch.Tensor, start: int,
+                   end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The plan's sub-layers of layers ``start .. end-1`` on ``(pending, residual)``."""
+        for i in range(start, end):
+            layer = self.layout.layers[i]
             run_attn, run_mlp = plan.attn[i], plan.mlp[i]
             if run_attn and run_mlp:
                 h, res = layer(positions, h, res)
@@ -58,6 +62,35 @@ class PlanExecutor:
                 h, res = _norm(layer.post_attention_layernorm, h, res)
                 h = layer.mlp(h)
         return h, res
+
+    def run_cascade(self, plan: LayerPlan, exits, input_ids: torch.Tensor,
+                    positions: torch.Tensor, max_exit: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+        """One Cascade draft step for B rows: ``(logits [B, V'] or None when no row exits,
+        exit index per row or -1, layers run)``. Row b walks ``exits[0 .. max_exit[b]]``
+        shallowest first and takes the first exit whose confidence clears its threshold; all rows
+        go deeper together while any is undecided (rows with no exit get logits of zeros; the
+        caller drops them)."""
+        h, res, start = self.layout.embed(input_ids), None, 0
+        chosen = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=h.device)
+        max_exit = max_exit.to(h.device)
+        logits = None
+        for e, ex in enumerate(exits):
+            h, res = self.run_layers(plan, h, res, positions, start, ex.layer)
+            start = ex.layer
+            x = h if res is None else h + res
+            head = self.heads[ex.head]
+            go = (chosen < 0) & (max_exit >= e) & (head.confidence(x) >= ex.threshold)
+            if bool(go.any()):
+                rows = go.nonzero().squeeze(1)
+                out = self.project(self.layout.norm(head.transform(x.index_select(0, rows))))
+                if logits is None:
+                    logits = out.new_zeros(input_ids.shape[0], out.shape[1])
+                logits[rows] = out
+                chosen[rows] = e
+            if not bool(((chosen < 0) & (max_exit > e)).any()):
+                break
+        return logits, chosen, start
 
     def logits(self, plan: LayerPlan, h: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
         """Logits of the plan's head over the draft vocabulary (see ``vocab_ids``). The LM-head

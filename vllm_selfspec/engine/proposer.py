@@ -32,6 +32,23 @@ from .shadow import ShadowProjector
 from .stats import EngineStats
 
 
+class PendingDraftProbs:
+    """The draft distributions q of every request whose drafts await verification, in the form
+    vLLM 0.32's runner reads them (``runner._draft_probs[row, :num_draft]``, rows by
+    ``runner._draft_prob_req_ids``; see compat.py). Greedy requests (None) read as zeros, which
+    the rejection sampler ignores for them."""
+
+    def __init__(self, rows: list[torch.Tensor | None], vocab_size: int) -> None:
+        self.rows, self.vocab_size = rows, vocab_size
+
+    def __getitem__(self, key) -> torch.Tensor:
+        row, drafts = key
+        q = self.rows[row]
+        if q is None:
+            q = torch.zeros(drafts.stop, self.vocab_size, dtype=torch.float32)
+        return q[drafts]
+
+
 class SelfSpecProposer:
     """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
 
@@ -63,7 +80,11 @@ class SelfSpecProposer:
         self.executor: PlanExecutor | None = None
         self._attn_groups: list | None = None
         self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
-        self._draft_probs: tuple[torch.Tensor, list[str]] | None = None
+        #: q of every request whose drafts await verification (None: greedy drafts); kept per
+        #: request because a request may be verified steps later (token budget, preemption)
+        self._pending_q: dict[str, torch.Tensor | None] = {}
+        #: Cascade: request id -> exit layer of each draft token of its last round
+        self._round_exits: dict[str, list[int]] = {}
         # identical on every TP rank, so sampled drafts (and so the partial forward) match
         self._generator = torch.Generator()
         self._generator.manual_seed(vllm_config.model_config.seed or 0)
@@ -122,10 +143,16 @@ class SelfSpecProposer:
 
     def on_request_finished(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+        self._round_exits.pop(req_id, None)
+        self._pending_q.pop(req_id, None)
 
-    def take_draft_probs(self) -> tuple[torch.Tensor | None, list[str] | None]:
-        out, self._draft_probs = self._draft_probs, None
-        return out if out is not None else (None, None)
+    def take_draft_probs(self) -> tuple["PendingDraftProbs | None", list[str] | None]:
+        """What vLLM's runner reads at the next verification (``_draft_probs[row, :n]`` by
+        ``_draft_prob_req_ids``): every pending request's q, or None when all are greedy."""
+        if all(q is None for q in self._pending_q.values()):
+            return None, None
+        ids = list(self._pending_q)
+        return PendingDraftProbs([self._pending_q[r] for r in ids], self.info.vocab_size), ids
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,6 +179,7 @@ class SelfSpecProposer:
         for i, req_id in enumerate(req_ids):
             if not sampled_token_ids[i]:  # a prefill chunk that sampled nothing, or discarded
                 continue
+            self._pending_q.pop(req_id, None)  # its drafts (if any) were verified just now
             state = self.states.get(req_id)
             if state is None:
                 state = self.states[req_id] = self.policy.new_state()
@@ -177,6 +205,9 @@ class SelfSpecProposer:
                 st.target_layers += L
                 st.drafted_tokens += n_drafted
                 st.accepted_tokens += n_accepted
+                round_exits = self._round_exits.pop(req_id, None)
+                if round_exits and n_drafted:
+                    st.exit_accepted.update(round_exits[:n_accepted])
                 n = int(num_tokens[i])
                 fb = Feedback(n_drafted, n_accepted, n)
                 if i in captured:
@@ -260,13 +291,16 @@ class SelfSpecProposer:
         if not greedy:
             probs = torch.zeros(len(active), self.k, self.info.vocab_size, dtype=torch.float32,
                                 device=runner.device)
-            self._draft_probs = (probs, [ib.req_ids[i] for i, _, _ in active])
         by_plan: dict[LayerPlan, list[int]] = defaultdict(list)
         for j, (_, decision, _) in enumerate(active):
             by_plan[decision.plan].append(j)
         for plan, members in by_plan.items():
             self._draft_plan(runner, plan, [active[j] for j in members], members,
                              sampling_metadata, probs, drafts)
+        for j, (i, _, _) in enumerate(active):
+            if drafts[i]:
+                self._pending_q[ib.req_ids[i]] = (None if probs is None
+                                                   else probs[j, :len(drafts[i])])
 
     def _draft_plan(self, runner, plan: LayerPlan, items, prob_rows, sampling_metadata,
                     probs, drafts) -> None:
@@ -285,6 +319,13 @@ class SelfSpecProposer:
         temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
         prob_rows_t = torch.tensor(prob_rows, dtype=torch.long)
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
+        cascade = items[0][1].cascade  # a plan's decisions share it (one static policy)
+        exits: dict[int, list[int]] = {r: [] for r in rows}  # Cascade: exit layer per draft
+        # Cascade: a draft token exits no deeper than the round's previous one, so every layer
+        # it runs has the KV of all earlier draft positions (a deeper exit would read KV slots
+        # the earlier, shallower tokens never wrote); the round ends when none clears.
+        max_exit = torch.full((len(rows),), len(cascade) - 1 if cascade else 0,
+                              dtype=torch.long)
         alive = list(range(len(rows)))
         for step in range(max(gammas)):
             alive = [j for j in alive if gammas[j] > step]
@@ -297,10 +338,23 @@ class SelfSpecProposer:
             t0 = time.perf_counter()
             with self._set_forward_context(md, self.vllm_config, num_tokens=len(alive),
                                      slot_mapping=slot_map):
-                h, res = self.executor.run(plan, tok[J].to(dev), pos)
-            logits = self.executor.logits(plan, h, res).float()
-            self.costs.draft.add(plan.layer_cost, time.perf_counter() - t0)
-            self.stats.draft_layers += plan.layer_cost * len(alive)
+                if cascade is None:
+                    h, res = self.executor.run(plan, tok[J].to(dev), pos)
+                    depth = plan.layer_cost
+                else:
+                    logits, chosen, depth = self.executor.run_cascade(
+                        plan, cascade, tok[J].to(dev), pos, max_exit[J])
+            if cascade is None:
+                logits = self.executor.logits(plan, h, res)
+            self.costs.draft.add(depth, time.perf_counter() - t0)
+            self.stats.draft_layers += depth * len(alive)
+            if cascade is not None:
+                max_exit[J] = chosen.cpu()  # later tokens of the round go no deeper (see below)
+                chosen = chosen.tolist()
+                self._count_exits(cascade, chosen, [rows[j] for j in alive], exits)
+                if logits is None:  # no row found a confident exit: every round ends
+                    break
+            logits = logits.float()
             nxt = logits.argmax(dim=-1)
             if temps is not None:
                 t = temps[rows_t[J].to(temps.device)].to(logits.device)
@@ -319,6 +373,8 @@ class SelfSpecProposer:
             if need_conf:
                 conf = torch.softmax(logits, -1).amax(-1).tolist()
                 keep = [floors[j] is None or c >= floors[j] for j, c in zip(alive, conf)]
+            if cascade is not None:
+                keep = [c >= 0 for c in chosen]
             nxt_list = nxt.tolist()
             for a, j in enumerate(alive):
                 if keep is None or keep[a]:
@@ -326,6 +382,8 @@ class SelfSpecProposer:
             if keep is not None:
                 alive = [j for a, j in enumerate(alive) if keep[a]]
             tok[J] = nxt.cpu()
+        if cascade is not None:
+            self._round_exits.update((ib.req_ids[r], e) for r, e in exits.items() if e)
         for j, r in enumerate(rows):
             d = len(drafts[r])
             self.stats.draft_length_hist[d] += 1
@@ -335,6 +393,15 @@ class SelfSpecProposer:
                 self.stats.plans[plan] += 1
                 self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
                 self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
+
+    def _count_exits(self, cascade, chosen: list[int], rows: list[int],
+                     exits: dict[int, list[int]]) -> None:
+        """Cascade: the exit each row's draft token came from (-1: none, the round ends)."""
+        for r, e in zip(rows, chosen):
+            layer = cascade[e].layer if e >= 0 else "none"
+            self.stats.exit_drafted[layer] += 1
+            if e >= 0:
+                exits[r].append(layer)
 
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):

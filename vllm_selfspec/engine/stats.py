@@ -32,6 +32,10 @@ class EngineStats:
     draft_length_hist: Counter = field(default_factory=Counter)
     plan_hist: Counter = field(default_factory=Counter)
     plans: Counter = field(default_factory=Counter)  # LayerPlan -> draft rounds that drafted
+    # Cascade: draft tokens per emitting exit layer ("none": draft steps where no exit was
+    # confident, which end the round), and of those the target accepted
+    exit_drafted: Counter = field(default_factory=Counter)
+    exit_accepted: Counter = field(default_factory=Counter)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -71,11 +75,21 @@ class EngineStats:
             "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
             "plan_hist": dict(self.plan_hist.most_common()),
             **plan_histograms(self.plans),
+            **({"cascade_exits": {
+                str(k): {"drafted": n, "accepted": self.exit_accepted[k],
+                         "acceptance": self.exit_accepted[k] / n if n and k != "none" else None}
+                for k, n in sorted(self.exit_drafted.items(), key=_exit_order)}}
+               if self.exit_drafted else {}),
             # seconds inside the runner: verify = the target step minus the selfspec parts
             "time_s": {"draft": s["draft"], "policy": s["policy"], "shadow": s["shadow"],
                        "optimise": s["optimise"], "verify": max(0.0, s["step"] - other),
                        "total": s["step"]},
         }
+
+
+def _exit_order(item) -> tuple[int, int]:
+    key = item[0]
+    return (1, 0) if key == "none" else (0, key)
 
 
 def merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:

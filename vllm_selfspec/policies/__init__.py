@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .cascade import CascadePolicy
 from .del_ import DELPolicy
 from .knapspec import KnapSpecPolicy
 from .layerskip import LayerSkipPolicy
@@ -11,7 +12,8 @@ POLICIES: dict[str, type[Policy]] = {
     LayerSkipPolicy.name: LayerSkipPolicy,
     DELPolicy.name: DELPolicy,
     KnapSpecPolicy.name: KnapSpecPolicy,
+    CascadePolicy.name: CascadePolicy,
 }
 
-__all__ = ["POLICIES", "DraftDecision", "Feedback", "ModelInfo", "Policy", "DELPolicy",
-           "KnapSpecPolicy", "LayerSkipPolicy"]
+__all__ = ["POLICIES", "DraftDecision", "Feedback", "ModelInfo", "Policy", "CascadePolicy",
+           "DELPolicy", "KnapSpecPolicy", "LayerSkipPolicy"]

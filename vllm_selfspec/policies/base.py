@@ -60,6 +60,10 @@ class DraftDecision:
     plan: LayerPlan
     num_tokens: int  # draft length for this round; 0 = plain decode step
     min_confidence: float | None = None  # stop drafting when the draft top-1 prob falls below
+    #: Cascade: exits (``policies.cascade.CascadeExit``) each draft token walks, shallowest first;
+    #: the token comes from the first exit whose confidence clears its threshold, and the round
+    #: ends when none does. ``plan`` then runs to the deepest exit.
+    cascade: tuple | None = None
 
 
 class Policy(ABC):
