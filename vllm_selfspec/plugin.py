@@ -30,6 +30,11 @@ from . import compat
 from .config import SelfSpecConfig, SelfSpecConfigError, _read, is_selfspec
 
 logger = logging.getLogger("vllm_selfspec")
+LOSSY_WARNING = (
+    "vllm-selfspec: LOSSY MODE (cascade \"lossy\": true): draft tokens whose exit is confident "
+    "are emitted WITHOUT verification by the full model, so outputs DIFFER from the model's own "
+    "(greedy included). Unverified tokens are counted in get_stats()[\"unverified_tokens\"] "
+    "and the vllm:selfspec_unverified_tokens_total metric. Remove \"lossy\" for exact outputs.")
 
 PATCHES = (
     "EngineArgs.create_engine_config: selfspec config -> custom_class + worker_cls + checks",
@@ -123,6 +128,8 @@ def _patch_create_engine_config(EngineArgs) -> None:
         if cfg is not None:
             cfg = check_vllm_config(vllm_config, cfg)
             logger.info("vllm-selfspec: method %s, options %s", cfg.method, cfg.to_dict())
+            if cfg.options.get("lossy"):
+                logger.warning(LOSSY_WARNING)
             _patch_async_llm_metrics()
         return vllm_config
 

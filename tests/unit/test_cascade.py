@@ -58,7 +58,8 @@ def test_threshold_overrides_and_exit_subset(tmp_path):
     ({"thresholds": {"5": 0.5}}, "trained exits are"),
     ({"thresholds": {"2": 1.5}}, r"must be in \[0, 1\]"),
     ({"thresholds": "high"}, "thresholds must be"),
-    ({"lossy": True}, "unknown option"),
+    ({"lossy": "yes"}, "lossy must be true or false"),
+    ({"exit_layer": 4}, "unknown option"),
 ])
 def test_bad_options_are_config_errors(tmp_path, opts, match):
     with pytest.raises(SelfSpecConfigError, match=match):
@@ -164,3 +165,58 @@ def test_later_tokens_exit_no_deeper_than_the_previous_one():
                                            torch.tensor([0, 1, 0]))
     assert chosen.tolist() == [-1, -1, 0] and depth == 4
     assert logits[:, 0].tolist() == [0.0, 0.0, 2.0]
+
+
+# ---- the adaptive walk (optimal stopping over the exits) -------------------------------------
+def _state(p: CascadePolicy, reached, confident, drafted, accepted):
+    st = p.new_state()
+    for arr, v in zip((st.reached, st.confident, st.drafted, st.accepted),
+                      (reached, confident, drafted, accepted)):
+        arr[:] = v
+    return st
+
+
+def test_walk_goes_as_deep_as_it_pays(tmp_path):
+    p = policy(heads_dir(tmp_path))  # layer units: G = 8 layers (no LM-head weight given)
+    good = _state(p, [100] * 3, [50] * 3, [50] * 3, [49] * 3)
+    assert p.walk_cap(good, 1.0) == 2  # accepted nearly always: worth walking to the last exit
+    bad = _state(p, [100] * 3, [50] * 3, [50] * 3, [1] * 3)
+    assert p.walk_cap(bad, 1.0) == -1  # rarely accepted: a plain decode step is better
+    # only the shallowest exit is accepted: do not walk past it
+    shallow = _state(p, [100] * 3, [50] * 3, [50] * 3, [49, 1, 1])
+    assert p.walk_cap(shallow, 1.0) == 0
+    # a later token of the round (its prefix accepted with probability 0.2) is not worth it
+    assert p.walk_cap(good, 0.2) == -1
+    assert policy(heads_dir(tmp_path), adaptive=False).walk_cap(bad, 1.0) == 2
+    # no (or long faded) evidence: walk to the deepest exit to learn
+    assert p.walk_cap(p.new_state(), 1.0) == 2
+    faded = _state(p, [0.29, 0, 0], 0, 0, 0)
+    assert p.walk_cap(faded, 1.0) == 2
+
+
+def test_walk_uses_measured_costs(tmp_path):
+    p = policy(heads_dir(tmp_path))
+    st = _state(p, [100] * 3, [50] * 3, [50] * 3, [30] * 3)  # a = 0.6
+    cheap = SimpleNamespace(draft_seconds=lambda x: 0.001 + 0.001 * x,
+                            verify_seconds=lambda n: 0.05 + 0.002 * n)
+    dear = SimpleNamespace(draft_seconds=lambda x: 0.02 + 0.01 * x,
+                           verify_seconds=lambda n: 0.05 + 0.02 * n)
+    p.costs = cheap
+    assert p.walk_cap(st, 1.0) == 2
+    p.costs = dear
+    assert p.walk_cap(st, 1.0) == -1
+
+
+def test_observe_counts_reached_confident_and_judged_drafts(tmp_path):
+    from vllm_selfspec.policies import Feedback
+
+    p = policy(heads_dir(tmp_path), omega=1.0)
+    st = p.new_state()
+    # round: token 1 at exit 1 (accepted), token 2 at exit 0 (rejected), token 3 at exit 0
+    # (after a rejection: no verdict of its own), then no confident exit up to cap 0
+    p.observe(st, Feedback(3, 1, 50, cascade_steps=[(2, 1), (1, 0), (0, 0), (0, -1)]))
+    assert st.reached.tolist() == [4, 1, 0]
+    assert st.confident.tolist() == [2, 1, 0]
+    assert st.drafted.tolist() == [1, 1, 0] and st.accepted.tolist() == [0, 1, 0]
+    pr, a = p.rates(st)
+    assert pr[0] == pytest.approx((2 + 1) / (4 + 2)) and a[1] == pytest.approx((1 + 1) / 3)

@@ -15,6 +15,7 @@ vLLM's rejection sampler accepted a prefix):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from typing import Any
@@ -30,6 +31,11 @@ from .costs import StepCosts
 from .executor import PlanExecutor
 from .shadow import ShadowProjector
 from .stats import EngineStats
+
+
+#: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
+UNVERIFIED_REQUESTS_KEPT = 4096
+logger = logging.getLogger("vllm_selfspec")
 
 
 class PendingDraftProbs:
@@ -49,6 +55,38 @@ class PendingDraftProbs:
         return q[drafts]
 
 
+class CascadeWalks:
+    """One Cascade draft round of a group of rows: before each draft step, how deep each row's
+    walk may go (the policy's ``walk_cap`` for the token's prefix acceptance probability, and no
+    deeper than the row's previous draft token: a deeper exit would attend to KV slots that token
+    never wrote); after it, which exit each row drafted from."""
+
+    def __init__(self, policy, states: list) -> None:
+        self.policy, self.states = policy, states
+        n = len(policy.cascade)
+        self.cap = [n - 1] * len(states)  # deepest exit the row's next token may use
+        self.prefix = [1.0] * len(states)  # P(the row's drafts so far are all accepted)
+        self.steps: list[list[tuple[int, int]]] = [[] for _ in states]
+
+    def caps(self, alive: list[int]) -> tuple[list[int], list[int]]:
+        """The rows that draft this step, and each one's walk cap (the others' rounds end)."""
+        keep, caps = [], []
+        for j in alive:
+            c = min(self.cap[j], self.policy.walk_cap(self.states[j], self.prefix[j]))
+            if c >= 0:
+                keep.append(j)
+                caps.append(c)
+        return keep, caps
+
+    def record(self, alive: list[int], caps: list[int], chosen: list[int], stats) -> None:
+        for j, c, e in zip(alive, caps, chosen):
+            self.steps[j].append((c, e))
+            stats.exit_drafted[self.policy.cascade[e].layer if e >= 0 else "none"] += 1
+            if e >= 0:
+                self.cap[j] = e
+                self.prefix[j] *= self.policy.acceptance(self.states[j], e)
+
+
 class SelfSpecProposer:
     """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
 
@@ -65,6 +103,11 @@ class SelfSpecProposer:
             self.info = dataclasses.replace(self.info, draft_head_layers=(
                 self.info.lm_head_layers * self.config.draft_vocab_size / self.info.vocab_size))
         self.policy = self.config.make_policy(self.info)
+        self._lossy = bool(getattr(self.policy, "lossy", False))
+        if self._lossy:
+            from ..plugin import LOSSY_WARNING
+
+            logger.warning(LOSSY_WARNING)
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capture_layers = tuple(sorted(set(self.policy.capture_layers)))
@@ -83,8 +126,8 @@ class SelfSpecProposer:
         #: q of every request whose drafts await verification (None: greedy drafts); kept per
         #: request because a request may be verified steps later (token budget, preemption)
         self._pending_q: dict[str, torch.Tensor | None] = {}
-        #: Cascade: request id -> exit layer of each draft token of its last round
-        self._round_exits: dict[str, list[int]] = {}
+        #: Cascade: request id -> (walk cap, exit index or -1) per draft step of its last round
+        self._round_exits: dict[str, list[tuple[int, int]]] = {}
         # identical on every TP rank, so sampled drafts (and so the partial forward) match
         self._generator = torch.Generator()
         self._generator.manual_seed(vllm_config.model_config.seed or 0)
@@ -205,13 +248,22 @@ class SelfSpecProposer:
                 st.target_layers += L
                 st.drafted_tokens += n_drafted
                 st.accepted_tokens += n_accepted
-                round_exits = self._round_exits.pop(req_id, None)
-                if round_exits and n_drafted:
-                    st.exit_accepted.update(round_exits[:n_accepted])
+                if self._lossy:
+                    st.unverified_tokens += n_accepted
+                    st.unverified_by_request[req_id] = (
+                        st.unverified_by_request.pop(req_id, 0) + n_accepted)
+                    while len(st.unverified_by_request) > UNVERIFIED_REQUESTS_KEPT:
+                        del st.unverified_by_request[next(iter(st.unverified_by_request))]
+                round_steps = self._round_exits.pop(req_id, None)  # Cascade: (cap, exit)
+                if round_steps and n_drafted:
+                    st.exit_accepted.update(self.policy.cascade[e].layer
+                                            for _, e in round_steps[:n_accepted])
                 n = int(num_tokens[i])
                 fb = Feedback(n_drafted, n_accepted, n)
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
+                if round_steps and n_drafted:
+                    fb.cascade_steps = round_steps
                 self.policy.observe(state, fb)
                 if self.policy.wants_optimise(state):
                     due.append((i, state))
@@ -320,15 +372,13 @@ class SelfSpecProposer:
         prob_rows_t = torch.tensor(prob_rows, dtype=torch.long)
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
         cascade = items[0][1].cascade  # a plan's decisions share it (one static policy)
-        exits: dict[int, list[int]] = {r: [] for r in rows}  # Cascade: exit layer per draft
-        # Cascade: a draft token exits no deeper than the round's previous one, so every layer
-        # it runs has the KV of all earlier draft positions (a deeper exit would read KV slots
-        # the earlier, shallower tokens never wrote); the round ends when none clears.
-        max_exit = torch.full((len(rows),), len(cascade) - 1 if cascade else 0,
-                              dtype=torch.long)
+        walks = (CascadeWalks(self.policy, [self.states[ib.req_ids[r]] for r in rows])
+                 if cascade is not None else None)
         alive = list(range(len(rows)))
         for step in range(max(gammas)):
             alive = [j for j in alive if gammas[j] > step]
+            if walks is not None:
+                alive, caps = walks.caps(alive)
             if not alive:
                 break
             J = torch.tensor(alive, dtype=torch.long)
@@ -343,15 +393,14 @@ class SelfSpecProposer:
                     depth = plan.layer_cost
                 else:
                     logits, chosen, depth = self.executor.run_cascade(
-                        plan, cascade, tok[J].to(dev), pos, max_exit[J])
+                        plan, cascade, tok[J].to(dev), pos, torch.tensor(caps))
             if cascade is None:
                 logits = self.executor.logits(plan, h, res)
             self.costs.draft.add(depth, time.perf_counter() - t0)
             self.stats.draft_layers += depth * len(alive)
-            if cascade is not None:
-                max_exit[J] = chosen.cpu()  # later tokens of the round go no deeper (see below)
+            if walks is not None:
                 chosen = chosen.tolist()
-                self._count_exits(cascade, chosen, [rows[j] for j in alive], exits)
+                walks.record(alive, caps, chosen, self.stats)
                 if logits is None:  # no row found a confident exit: every round ends
                     break
             logits = logits.float()
@@ -382,8 +431,9 @@ class SelfSpecProposer:
             if keep is not None:
                 alive = [j for a, j in enumerate(alive) if keep[a]]
             tok[J] = nxt.cpu()
-        if cascade is not None:
-            self._round_exits.update((ib.req_ids[r], e) for r, e in exits.items() if e)
+        if walks is not None:
+            self._round_exits.update((ib.req_ids[rows[j]], steps)
+                                     for j, steps in enumerate(walks.steps) if steps)
         for j, r in enumerate(rows):
             d = len(drafts[r])
             self.stats.draft_length_hist[d] += 1
@@ -393,15 +443,6 @@ class SelfSpecProposer:
                 self.stats.plans[plan] += 1
                 self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
                 self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
-
-    def _count_exits(self, cascade, chosen: list[int], rows: list[int],
-                     exits: dict[int, list[int]]) -> None:
-        """Cascade: the exit each row's draft token came from (-1: none, the round ends)."""
-        for r, e in zip(rows, chosen):
-            layer = cascade[e].layer if e >= 0 else "none"
-            self.stats.exit_drafted[layer] += 1
-            if e >= 0:
-                exits[r].append(layer)
 
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):

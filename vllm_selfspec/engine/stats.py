@@ -36,6 +36,9 @@ class EngineStats:
     # confident, which end the round), and of those the target accepted
     exit_drafted: Counter = field(default_factory=Counter)
     exit_accepted: Counter = field(default_factory=Counter)
+    # Cascade lossy mode: tokens emitted from exits without verification (total, per request)
+    unverified_tokens: int = 0
+    unverified_by_request: dict = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -66,6 +69,8 @@ class EngineStats:
             "target_layers": self.target_layers,
             "tokens_per_layer": self.generated_tokens / layers if layers else None,
             "shadow_rows": self.shadow_rows,
+            "unverified_tokens": self.unverified_tokens,
+            "unverified_tokens_by_request": dict(self.unverified_by_request),
             "optimisations": self.optimisations,
             # per draft round: sub-layers the plan skipped (layers past an early exit included)
             "skipped_attn_per_round": self.skipped_attn / self.draft_rounds

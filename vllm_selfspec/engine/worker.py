@@ -70,6 +70,29 @@ class SelfSpecRunnerMixin:
         return out
 
 
+class UnverifiedAcceptance:
+    """Cascade's lossy sampler (``lossy: true``): wraps vLLM's rejection sampler so that every
+    draft token is accepted without verification. The target's logits at each draft position get
+    the draft token raised far above the rest (greedy: it is the argmax; sampling: p = 1 >= q),
+    so the rejection sampler keeps all drafts and samples the token after them from the full
+    model, as usual. The target forward still ran over the drafts (their KV is complete).
+    Logprobs at those positions are then not the target's."""
+
+    BOOST = 1e4
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+
+    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+        if metadata.draft_token_ids.numel():
+            rows = metadata.target_logits_indices.to(logits.device)
+            logits[rows, metadata.draft_token_ids.to(logits.device)] = self.BOOST
+        return self.sampler(metadata, draft_probs, logits, sampling_metadata)
+
+    def __getattr__(self, name):  # everything else is the wrapped sampler's
+        return getattr(self.sampler, name)
+
+
 _SWAPPED: dict[type, type] = {}
 
 
@@ -93,6 +116,8 @@ class SelfSpecWorker(_BaseWorker):
         drafter = getattr(runner, "drafter", None)
         if isinstance(drafter, SelfSpecProposer):
             drafter.bind_runner(runner)
+            if getattr(drafter.policy, "lossy", False):
+                runner.rejection_sampler = UnverifiedAcceptance(runner.rejection_sampler)
             if drafter.capture_layers:  # must be set before load_model()
                 runner.use_aux_hidden_state_outputs = True
 

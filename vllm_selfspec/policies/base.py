@@ -53,6 +53,9 @@ class Feedback:
     # the exit head's greedy token and its probability for every (capture layer, captured row).
     shadow_tokens: torch.Tensor | None = None  # [n_layers, m] int64
     shadow_conf: torch.Tensor | None = None  # [n_layers, m] float32
+    # Cascade: per draft step of the verified round, (deepest exit index it could use, exit
+    # index it drafted from or -1 when none was confident), in order
+    cascade_steps: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
