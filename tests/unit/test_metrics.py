@@ -100,3 +100,19 @@ def test_collector_pulls_from_a_thread_and_snapshots_on_the_loop():
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
+
+
+def test_cascade_families():
+    st = EngineStats()
+    st.exit_drafted.update({8: 5, 16: 2, "none": 3})
+    st.exit_accepted.update({8: 4})
+    st.unverified_tokens = 7
+    d = st.as_dict()
+    assert list(d["cascade_exits"]) == ["8", "16", "none"]  # by layer, "none" last
+    assert d["cascade_exits"]["8"] == {"drafted": 5, "accepted": 4, "acceptance": 0.8}
+    m = _scrape(_Static(families(d, {"model_name": "m", "method": "cascade"}, L, 3)))
+    lab = 'method="cascade",model_name="m"'
+    assert m[f"vllm:selfspec_unverified_tokens_total{{{lab}}}"] == 7
+    assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="8",{lab},outcome="accepted"}}'] == 4
+    assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="none",{lab},'
+             f'outcome="drafted"}}'] == 3

@@ -46,12 +46,14 @@ class PendingDraftProbs:
 
     def __init__(self, rows: list[torch.Tensor | None], vocab_size: int) -> None:
         self.rows, self.vocab_size = rows, vocab_size
+        self.device = next(q.device for q in rows if q is not None)
 
     def __getitem__(self, key) -> torch.Tensor:
         row, drafts = key
         q = self.rows[row]
         if q is None:
-            q = torch.zeros(drafts.stop, self.vocab_size, dtype=torch.float32)
+            q = torch.zeros(drafts.stop, self.vocab_size, dtype=torch.float32,
+                            device=self.device)
         return q[drafts]
 
 
