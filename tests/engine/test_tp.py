@@ -23,10 +23,14 @@ SPECS = {
     "layerskip": {"method": "layerskip", "exit_layer": 1, "num_speculative_tokens": 3},
     "del": {"method": "del", "heads": "none", "shadow_every": 1, "num_speculative_tokens": 4},
     "knapspec": {"method": "knapspec", "num_speculative_tokens": 4, "interval": 8},
+    # + "heads": built by the cascade_heads fixture (untrained adapters: the raw LM head)
+    "cascade": {"method": "cascade", "num_speculative_tokens": 3,
+                "thresholds": {"1": 0.5, "2": 0.0}},
 }
 #: the counter that shows the method did its work (KnapSpec's search may find that no skip set
 #: pays off on this model and choose a draft length of 0: then only its search has run)
-EXERCISED = {"layerskip": "drafted_tokens", "del": "drafted_tokens", "knapspec": "optimisations"}
+EXERCISED = {"layerskip": "drafted_tokens", "del": "drafted_tokens", "knapspec": "optimisations",
+             "cascade": "drafted_tokens"}
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]}
            for i in range(6)]
 
@@ -43,6 +47,21 @@ def tiny_model(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
 
 
+@pytest.fixture(scope="module")
+def cascade_heads(tiny_model, tmp_path_factory) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
+
+    identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(tiny_model,
+                                                                     dtype=torch.float32))
+    torch.manual_seed(0)
+    heads = {layer: make_head("cascade", identity.hidden_size) for layer in (1, 2)}
+    return str(save_heads(tmp_path_factory.mktemp("tp-cascade") / "heads",
+                          HeadSet("cascade", heads, identity)))
+
+
 def _generate(llm) -> list[list[int]]:
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     return token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
@@ -55,14 +74,17 @@ def vanilla(tiny_model, tp_env):
 
 
 @pytest.mark.parametrize("method", sorted(POLICIES))
-def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method):
+def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
     assert method in SPECS, f"add a TP test config for the new method {method!r}"
-    with engine(tiny_model, speculative_config=SPECS[method], **KW) as llm:
+    spec = dict(SPECS[method])
+    if method == "cascade":
+        spec["heads"] = request.getfixturevalue("cascade_heads")
+    with engine(tiny_model, speculative_config=spec, **KW) as llm:
         out = _generate(llm)
         ranks = llm.collective_rpc("selfspec_stats")
         stats = vllm_selfspec.get_stats(llm)
     assert out == vanilla
     assert len(ranks) == 2 and stats[EXERCISED[method]] > 0
     same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "plan_hist",
-            EXERCISED[method])
+            EXERCISED[method]) + (("cascade_exits",) if method == "cascade" else ())
     assert [{k: r[k] for k in same} for r in ranks[1:]] == [{k: ranks[0][k] for k in same}]

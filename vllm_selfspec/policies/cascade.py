@@ -91,7 +91,7 @@ class CascadeExit:
 def _train_hint(model_path: str | None = None) -> str:
     model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
     return (f"train them once with `vllm-selfspec train-heads --kind {HEAD_KIND}{model}` "
-            f"(about 10 minutes on a CPU for the embedded model), then pass "
+            f"(about 20 minutes on a 2-core CPU for the embedded model), then pass "
             f"\"heads\": HEADS_DIR or leave \"heads\": \"auto\" for the embedded model")
 
 
