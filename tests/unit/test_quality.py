@@ -27,3 +27,18 @@ def test_humaneval_pass_at_1_runs_the_tests():
     wrong = ["    return None\n", "    while True:\n        pass\n"]  # a wrong answer, a hang
     assert q.humaneval_pass_at_1(problems, right, timeout_s=5.0) == (1.0, [True, True])
     assert q.humaneval_pass_at_1(problems, wrong, timeout_s=1.0) == (0.0, [False, False])
+
+
+def test_code_block_of_a_chat_reply():
+    reply = "Sure:\n```python\ndef f(x):\n    return x\n```\nThat is it."
+    assert q.code_block(reply) == "def f(x):\n    return x\n"
+    assert q.code_block("```\ndef f(): pass") == "def f(): pass"  # unclosed block
+    assert q.code_block("def f(): pass") == "def f(): pass"
+
+
+def test_pass_at_1_of_chat_replies_runs_their_code_block():
+    problems = q.humaneval_problems(1)
+    whole = problems[0]["prompt"] + problems[0]["canonical_solution"]
+    right = f"Here you go:\n```python\n{whole}```\n"
+    wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return None\n```"
+    assert q.humaneval_pass_at_1(problems * 2, [right, wrong], chat=True) == (0.5, [True, False])
