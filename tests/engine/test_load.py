@@ -26,9 +26,6 @@ def test_load_with_aborts(served, vanilla_refs):
     print("load:", json.dumps(summary))
     log = served.log_path.read_text(errors="replace")
     assert not res.errors, (res.errors[:5], log[-6000:])
-    # sampled drafts' q reached vLLM's rejection sampler for every verified request (its
-    # fallback when one is missing would treat sampled drafts as deterministic ones)
-    assert "Missing cached draft probabilities" not in log
     assert "Traceback" not in log, log[log.index("Traceback") - 2000:][:6000]
     assert not res.mismatches, res.mismatches[:3]
     assert res.greedy_checked >= 10 and res.aborted >= 3 and res.completed > res.greedy_checked
