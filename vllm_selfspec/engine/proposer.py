@@ -105,8 +105,9 @@ class SelfSpecProposer:
             self.info = dataclasses.replace(self.info, draft_head_layers=(
                 self.info.lm_head_layers * self.config.draft_vocab_size / self.info.vocab_size))
         self.policy = self.config.make_policy(self.info)
-        self._lossy = bool(getattr(self.policy, "lossy", False))
-        if self._lossy:
+        #: Cascade's lossy sampler: drafts are accepted unverified (worker.UnverifiedAcceptance)
+        self.lossy = bool(getattr(self.policy, "lossy", False))
+        if self.lossy:
             from ..plugin import LOSSY_WARNING
 
             logger.warning(LOSSY_WARNING)
@@ -250,7 +251,7 @@ class SelfSpecProposer:
                 st.target_layers += L
                 st.drafted_tokens += n_drafted
                 st.accepted_tokens += n_accepted
-                if self._lossy:
+                if self.lossy:
                     st.unverified_tokens += n_accepted
                     st.unverified_by_request[req_id] = (
                         st.unverified_by_request.pop(req_id, 0) + n_accepted)

@@ -116,7 +116,7 @@ class SelfSpecWorker(_BaseWorker):
         drafter = getattr(runner, "drafter", None)
         if isinstance(drafter, SelfSpecProposer):
             drafter.bind_runner(runner)
-            if getattr(drafter.policy, "lossy", False):
+            if drafter.lossy:
                 runner.rejection_sampler = UnverifiedAcceptance(runner.rejection_sampler)
             if drafter.capture_layers:  # must be set before load_model()
                 runner.use_aux_hidden_state_outputs = True
