@@ -36,6 +36,10 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 ``dispatch_cpu_unquantized_gemm``                       their GEMM on CPU: vLLM's (oneDNN, prepacked)
+``GPUModelRunner._model_forward``, ``query_start_loc``,  AdaDecode's finishing pass replaces the
+  ``input_batch.{num_reqs, num_computed_tokens_cpu,       target forward (engine/adadecode.py)
+  num_prompt_tokens}``, ``get_forward_context()
+  .slot_mapping`` / ``.attn_metadata[...].slot_mapping``
 =====================================================  ==============================================
 """
 from __future__ import annotations
@@ -162,6 +166,17 @@ def linear(weight):
     holder.weight = torch.nn.Parameter(weight, requires_grad=False)
     dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
     return lambda x: holder.cpu_linear(x, holder.weight, None)
+
+
+def forward_slot_mapping(layer_name: str):
+    """The KV slot of every row of the target forward now running (its forward context)."""
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    slots = ctx.slot_mapping.get(layer_name) if isinstance(ctx.slot_mapping, dict) else None
+    if slots is None:
+        slots = ctx.attn_metadata[layer_name].slot_mapping
+    return slots
 
 
 def tp_rank() -> int:

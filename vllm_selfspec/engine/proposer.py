@@ -27,10 +27,11 @@ from .. import compat
 from ..config import SelfSpecConfig
 from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
+from .adadecode import DeferredEngine
 from .costs import StepCosts
 from .executor import PlanExecutor
 from .shadow import ShadowProjector
-from .stats import EngineStats
+from .stats import EngineStats, layer_computations
 
 
 #: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
@@ -124,6 +125,8 @@ class SelfSpecProposer:
         self._verify_tokens: float | None = None  # tokens per request of the current step
         self.runner = None
         self.executor: PlanExecutor | None = None
+        #: AdaDecode's draft rounds and finishing pass (set in load_model)
+        self.deferred: DeferredEngine | None = None
         self._attn_groups: list | None = None
         self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
         #: q of every request whose drafts await verification (None: greedy drafts); kept per
@@ -154,6 +157,8 @@ class SelfSpecProposer:
             self._load_heads(target_model, heads_path)
         if self.config.draft_vocab_size is not None:
             self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
+        if self.policy.deferred:
+            self.deferred = DeferredEngine(self)
 
     def _identity(self):
         """The target's identity (heads.identity) on TP rank 0 (None elsewhere): rank 0 holds
@@ -191,6 +196,8 @@ class SelfSpecProposer:
         self.states.pop(req_id, None)
         self._round_exits.pop(req_id, None)
         self._pending_q.pop(req_id, None)
+        if self.deferred is not None:
+            self.deferred.forget(req_id)
 
     def take_draft_probs(self) -> tuple["PendingDraftProbs | None", list[str] | None]:
         """What vLLM's runner reads at the next verification (``_draft_probs[row, :n]`` by
@@ -261,6 +268,11 @@ class SelfSpecProposer:
                 if round_steps and n_drafted:
                     st.exit_accepted.update(self.policy.cascade[e].layer
                                             for _, e in round_steps[:n_accepted])
+                if self.deferred is not None:  # AdaDecode: the heads that predicted early
+                    st.exit_accepted.update(
+                        self.deferred.round_exits.pop(req_id, [])[:n_accepted])
+                    if req_id in self.deferred.decoding:
+                        st.decode_tokens += len(sampled)
                 n = int(num_tokens[i])
                 fb = Feedback(n_drafted, n_accepted, n)
                 if i in captured:
@@ -346,12 +358,15 @@ class SelfSpecProposer:
         if not greedy:
             probs = torch.zeros(len(active), self.k, self.info.vocab_size, dtype=torch.float32,
                                 device=runner.device)
-        by_plan: dict[LayerPlan, list[int]] = defaultdict(list)
-        for j, (_, decision, _) in enumerate(active):
-            by_plan[decision.plan].append(j)
-        for plan, members in by_plan.items():
-            self._draft_plan(runner, plan, [active[j] for j in members], members,
-                             sampling_metadata, probs, drafts)
+        if self.deferred is not None:
+            self.deferred.draft(runner, active, sampling_metadata, probs, drafts)
+        else:
+            by_plan: dict[LayerPlan, list[int]] = defaultdict(list)
+            for j, (_, decision, _) in enumerate(active):
+                by_plan[decision.plan].append(j)
+            for plan, members in by_plan.items():
+                self._draft_plan(runner, plan, [active[j] for j in members], members,
+                                 sampling_metadata, probs, drafts)
         for j, (i, _, _) in enumerate(active):
             if drafts[i]:
                 self._pending_q[ib.req_ids[i]] = (None if probs is None
@@ -501,4 +516,6 @@ class SelfSpecProposer:
         d["costs"] = {"draft_step_s": draft, "verify_step_s": verify}
         d["draft_vocab_size"] = self.config.draft_vocab_size
         d["live_requests"] = len(self.states)
+        if self.deferred is not None:
+            d["layer_computations"] = layer_computations(self.stats, self.info.num_layers)
         return d

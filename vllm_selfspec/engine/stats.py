@@ -39,6 +39,13 @@ class EngineStats:
     # Cascade lossy mode: tokens emitted from exits without verification (total, per request)
     unverified_tokens: int = 0
     unverified_by_request: dict = field(default_factory=dict)
+    # AdaDecode's layer computations ((token, layer) pairs) of decode rows: in draft steps, in the
+    # target forwards that finish them, the rows those forwards verified, and the tokens the
+    # requests emitted from those forwards
+    draft_token_layers: int = 0
+    verify_token_layers: int = 0
+    verify_rows: int = 0
+    decode_tokens: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -90,6 +97,22 @@ class EngineStats:
                        "optimise": s["optimise"], "verify": max(0.0, s["step"] - other),
                        "total": s["step"]},
         }
+
+
+def layer_computations(st: EngineStats, num_layers: int) -> dict[str, Any]:
+    """AdaDecode's (token, layer) computations per emitted token of decode steps, beside what
+    vanilla decoding (``num_layers`` per token) and a draft-then-verify method with the same
+    drafts (the drafts' layers + every verified row through all layers) compute."""
+    n = st.decode_tokens or 1
+    ours = st.draft_token_layers + st.verify_token_layers
+    draft_then_verify = st.draft_token_layers + st.verify_rows * num_layers
+    return {"tokens": st.decode_tokens, "draft": st.draft_token_layers,
+            "verify": st.verify_token_layers, "verified_rows": st.verify_rows,
+            "per_token": ours / n, "vanilla_per_token": float(num_layers),
+            "draft_then_verify_per_token": draft_then_verify / n,
+            "saved_vs_vanilla": 1 - ours / (n * num_layers) if st.decode_tokens else None,
+            "saved_vs_draft_then_verify": 1 - ours / draft_then_verify
+            if draft_then_verify else None}
 
 
 def _exit_order(item) -> tuple[int, int]:

@@ -39,6 +39,20 @@ class SelfSpecRunnerMixin:
         self._draft_probs, self._draft_prob_req_ids = drafter.take_draft_probs()
         return drafts
 
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        drafter = self._selfspec()
+        deferred = drafter.deferred if drafter is not None else None
+        if deferred is not None and inputs_embeds is None and not model_kwargs:
+            # AdaDecode: the last round's tokens resume at the depth their draft reached
+            out = deferred.finish(self, input_ids, positions)
+            if out is not None:
+                return out
+            deferred.count_plain(self)
+        return super()._model_forward(input_ids=input_ids, positions=positions,
+                                      intermediate_tensors=intermediate_tensors,
+                                      inputs_embeds=inputs_embeds, **model_kwargs)
+
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         drafter = self._selfspec()
         if drafter is not None and drafter.capture_layers:

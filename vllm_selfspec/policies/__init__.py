@@ -1,6 +1,7 @@
 """Policies: one file per method. Each is pure tensor logic and never imports vLLM."""
 from __future__ import annotations
 
+from .adadecode import AdaDecodePolicy
 from .base import DraftDecision, Feedback, ModelInfo, Policy
 from .cascade import CascadePolicy
 from .del_ import DELPolicy
@@ -13,7 +14,8 @@ POLICIES: dict[str, type[Policy]] = {
     DELPolicy.name: DELPolicy,
     KnapSpecPolicy.name: KnapSpecPolicy,
     CascadePolicy.name: CascadePolicy,
+    AdaDecodePolicy.name: AdaDecodePolicy,
 }
 
-__all__ = ["POLICIES", "DraftDecision", "Feedback", "ModelInfo", "Policy", "CascadePolicy",
+__all__ = ["POLICIES", "AdaDecodePolicy", "DraftDecision", "Feedback", "ModelInfo", "Policy", "CascadePolicy",
            "DELPolicy", "KnapSpecPolicy", "LayerSkipPolicy"]

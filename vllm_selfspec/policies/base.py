@@ -99,6 +99,9 @@ class Policy(ABC):
     #: stores it in ``latency`` before the first ``optimise``
     needs_latency: bool = False
     latency: Any = None
+    #: AdaDecode: the engine drafts with the deferred-layer schedule (vllm_selfspec/deferred.py)
+    #: and the next target forward resumes the round's tokens at their depth
+    deferred: bool = False
 
     @classmethod
     def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:

@@ -1,0 +1,133 @@
+"""AdaDecode: early predictions from lightweight intermediate LM heads, with the early tokens'
+deeper layers deferred and run once, in parallel with the next tokens (AdaDecode §2).
+
+A token goes through the layers one by one; after each layer with a trained head (a d×d matrix
+``T`` in front of the model's own final norm and LM head, model frozen:
+``vllm-selfspec train-heads --kind adadecode``) the head predicts the next token. If that
+token's probability exceeds ``threshold`` (γ) the next token starts at layer 0 at once, and the
+early token's remaining layers wait: they run together with the next tokens' passes over those
+layers, and the last of them in the next target forward, which also verifies the early tokens
+with the full model (greedy: equality; sampling: min(1, p/q) with residual resampling; vLLM's
+rejection sampler). The output is exactly vanilla vLLM's. The schedule is
+``vllm_selfspec/deferred.py``; the engine side ``engine/adadecode.py``.
+
+Options:
+
+* ``heads``: "auto" (the model's cached AdaDecode heads; a clear error saying how to train them
+  when there are none) or a head directory;
+* ``threshold``: γ, in (0, 1] (default 0.85, the paper's; 1 never predicts early);
+* ``exit_layers``: the heads to use (default: every trained one), a subset of the heads' layers;
+* ``num_speculative_tokens``: the most early predictions per round (default 5, the paper's limit);
+* ``draft_vocab_size``: "auto" by default: the heads' logits over the model's 8192 most frequent
+  tokens when its map is cached (the confidence is then a probability over those tokens).
+
+There is no per-request statistic: the paper's rule is a fixed threshold.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..plans import LayerPlan
+from .base import DraftDecision, ModelInfo, Policy
+
+HEAD_KIND = "adadecode"
+
+
+def _train_hint(model_path: str | None = None) -> str:
+    model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
+    return (f"train them once with `vllm-selfspec train-heads --kind {HEAD_KIND}{model}` "
+            f"(about 15 minutes on a 2-core CPU for the embedded model), then pass "
+            f"\"heads\": HEADS_DIR or leave \"heads\": \"auto\" for the embedded model")
+
+
+class AdaDecodePolicy(Policy):
+    name = "adadecode"
+    options = {"heads": "auto", "threshold": 0.85, "exit_layers": None}
+    common_defaults = {"num_speculative_tokens": 5, "draft_vocab_size": "auto"}
+    #: the engine drafts with the deferred-layer schedule and resumes the rows in the next target
+    #: forward (engine/adadecode.py) instead of drafting with a layer plan
+    deferred = True
+
+    @classmethod
+    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
+        if config.get("heads", "auto") == "auto":
+            from ..models import cached_heads
+
+            found = cached_heads(model_path, HEAD_KIND)
+            if found is None:
+                raise ValueError(f"adadecode: no trained AdaDecode heads are cached for the model "
+                                 f"{model_path}; {_train_hint(model_path)}")
+            config["heads"] = str(found)
+        return config
+
+    @staticmethod
+    def _trained_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...] | None:
+        """The heads' layers, checked against the model (None while ``heads`` is "auto")."""
+        heads = config.get("heads", "auto")
+        if heads == "auto":
+            return None
+        if not isinstance(heads, str) or not heads:
+            raise ValueError(f"adadecode: heads must be \"auto\" or a head directory, "
+                             f"got {heads!r}")
+        from ..heads.io import read_config
+
+        try:
+            hc = read_config(heads)
+        except ValueError as e:
+            raise ValueError(f"adadecode: heads: {e}; {_train_hint()}") from e
+        if hc.get("kind") != HEAD_KIND:
+            raise ValueError(f"adadecode: the heads in {heads} are of kind {hc.get('kind')!r}; "
+                             f"adadecode needs kind {HEAD_KIND!r}: {_train_hint()}")
+        base = hc["base_model"]
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if base[key] != getattr(model, key):
+                raise ValueError(f"adadecode: the heads in {heads} were trained for a model "
+                                 f"with {key}={base[key]}, this model has {getattr(model, key)}")
+        return tuple(sorted(int(layer) for layer in hc["layers"]))
+
+    @classmethod
+    def exits(cls, config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:
+        trained = cls._trained_layers(config, model)
+        if trained is None:
+            return ()
+        layers = config.get("exit_layers")
+        if layers is None:
+            return trained
+        if (not isinstance(layers, list) or not layers
+                or any(x not in trained or isinstance(x, bool) for x in layers)):
+            raise ValueError(f"adadecode: exit_layers must be a non-empty subset of the trained "
+                             f"heads' layers {list(trained)}, got {layers!r}")
+        return tuple(sorted(set(layers)))
+
+    @classmethod
+    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
+        cls.exits(config, model)
+        t = config.get("threshold", 0.85)
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 1:
+            raise ValueError(f"adadecode: threshold (γ) must be in (0, 1], got {t!r}")
+
+    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
+        super().__init__(config, model, max_draft_tokens)
+        self.validate(config, model)
+        self.exit_layers = self.exits(config, model)
+        if not self.exit_layers:
+            raise ValueError("adadecode: heads must be resolved to a directory before the engine "
+                             "starts (SelfSpecConfig.resolved)")
+        #: the engine loads these heads into its head slots ("heads@<layer>")
+        self.heads_path = config["heads"]
+        self.threshold = float(config.get("threshold", 0.85))
+        # the plan is only the engine's record of the deepest layer a draft walk reaches
+        self.decision = DraftDecision(
+            LayerPlan.prefix(model.num_layers, self.exit_layers[-1],
+                             f"heads@{self.exit_layers[-1]}"), max_draft_tokens)
+
+    def head_for_layer(self, layer: int) -> str:
+        return f"heads@{layer}"
+
+    def propose(self, state: Any) -> DraftDecision:
+        return self.decision
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.name, "heads": self.heads_path, "threshold": self.threshold,
+                "exit_layers": list(self.exit_layers),
+                "num_speculative_tokens": self.max_draft_tokens}
