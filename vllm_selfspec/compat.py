@@ -168,6 +168,12 @@ def linear(weight):
     return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
+def is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def forward_slot_mapping(layer_name: str):
     """The KV slot of every row of the target forward now running (its forward context)."""
     from vllm.forward_context import get_forward_context

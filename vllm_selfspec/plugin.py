@@ -28,6 +28,7 @@ import os
 
 from . import compat
 from .config import SelfSpecConfig, SelfSpecConfigError, _read, is_selfspec
+from .policies import POLICIES
 
 logger = logging.getLogger("vllm_selfspec")
 LOSSY_WARNING = (
@@ -113,6 +114,12 @@ def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
         raise SelfSpecConfigError("selfspec cannot run with a KV connector")
     cfg = cfg.resolved(vllm_config.model_config.model)
     cfg.validate_for_model(compat.model_info(vllm_config))
+    if POLICIES[cfg.method].deferred and not compat.is_cpu() and not (
+            vllm_config.model_config.enforce_eager):
+        raise SelfSpecConfigError(
+            f"{cfg.method} runs the target forward layer by layer (the last round's tokens enter "
+            f"at different depths), which CUDA graphs cannot replay: pass enforce_eager=True "
+            f"(--enforce-eager)")
     vllm_config.additional_config["selfspec"] = cfg.to_dict()
     return cfg
 

@@ -137,3 +137,29 @@ def test_del_sampling_at_temperature_0_6(tiny_model):
     assert greedy == want_greedy, "greedy requests in a sampled batch changed"
     p = _min_pvalue(want, got)
     assert p > ALPHA, f"DEL sampling at T=0.6 differs from vanilla (p={p:.2e})"
+
+
+def test_adadecode_sampling_at_temperature_0_6(tiny_model, tmp_path):
+    """AdaDecode's early tokens are drawn from the exit head's softmax(logits / T) and verified
+    with min(1, p/q) (the q handed to vLLM's rejection sampler); their deep layers finish in the
+    verifying forward."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
+
+    identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(tiny_model,
+                                                                     dtype=torch.float32))
+    heads = {layer: make_head("adadecode", identity.hidden_size) for layer in (1, 2)}
+    path = save_heads(tmp_path / "heads", HeadSet("adadecode", heads, identity))
+    spec = {"method": "adadecode", "heads": str(path), "threshold": 0.5,
+            "num_speculative_tokens": 3}
+    with engine(tiny_model, **KW) as llm:
+        want, want_greedy = _sample(llm, temperature=0.6)
+    with engine(tiny_model, speculative_config=spec, **KW) as llm:
+        got, greedy = _sample(llm, temperature=0.6)
+        stats = vllm_selfspec.get_stats(llm)
+    assert stats["drafted_tokens"] > 100, "AdaDecode rarely drafted: the test would be weak"
+    assert stats["accepted_tokens"] < stats["drafted_tokens"]
+    assert greedy == want_greedy, "greedy requests in a sampled batch changed"
+    p = _min_pvalue(want, got)
+    assert p > ALPHA, f"AdaDecode sampling at T=0.6 differs from vanilla (p={p:.2e})"

@@ -26,11 +26,13 @@ SPECS = {
     # + "heads": built by the cascade_heads fixture (untrained adapters: the raw LM head)
     "cascade": {"method": "cascade", "num_speculative_tokens": 3,
                 "thresholds": {"1": 0.5, "2": 0.0}},
+    # + "heads": built by the adadecode_heads fixture (identity T: the raw LM head)
+    "adadecode": {"method": "adadecode", "num_speculative_tokens": 3, "threshold": 0.5},
 }
 #: the counter that shows the method did its work (KnapSpec's search may find that no skip set
 #: pays off on this model and choose a draft length of 0: then only its search has run)
 EXERCISED = {"layerskip": "drafted_tokens", "del": "drafted_tokens", "knapspec": "optimisations",
-             "cascade": "drafted_tokens"}
+             "cascade": "drafted_tokens", "adadecode": "drafted_tokens"}
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]}
            for i in range(6)]
 
@@ -47,8 +49,7 @@ def tiny_model(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
 
 
-@pytest.fixture(scope="module")
-def cascade_heads(tiny_model, tmp_path_factory) -> str:
+def _built_heads(tiny_model, out, kind: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,9 +58,18 @@ def cascade_heads(tiny_model, tmp_path_factory) -> str:
     identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(tiny_model,
                                                                      dtype=torch.float32))
     torch.manual_seed(0)
-    heads = {layer: make_head("cascade", identity.hidden_size) for layer in (1, 2)}
-    return str(save_heads(tmp_path_factory.mktemp("tp-cascade") / "heads",
-                          HeadSet("cascade", heads, identity)))
+    heads = {layer: make_head(kind, identity.hidden_size) for layer in (1, 2)}
+    return str(save_heads(out / "heads", HeadSet(kind, heads, identity)))
+
+
+@pytest.fixture(scope="module")
+def cascade_heads(tiny_model, tmp_path_factory) -> str:
+    return _built_heads(tiny_model, tmp_path_factory.mktemp("tp-cascade"), "cascade")
+
+
+@pytest.fixture(scope="module")
+def adadecode_heads(tiny_model, tmp_path_factory) -> str:
+    return _built_heads(tiny_model, tmp_path_factory.mktemp("tp-adadecode"), "adadecode")
 
 
 def _generate(llm) -> list[list[int]]:
@@ -77,8 +87,8 @@ def vanilla(tiny_model, tp_env):
 def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
     assert method in SPECS, f"add a TP test config for the new method {method!r}"
     spec = dict(SPECS[method])
-    if method == "cascade":
-        spec["heads"] = request.getfixturevalue("cascade_heads")
+    if method in ("cascade", "adadecode"):
+        spec["heads"] = request.getfixturevalue(f"{method}_heads")
     with engine(tiny_model, speculative_config=spec, **KW) as llm:
         out = _generate(llm)
         ranks = llm.collective_rpc("selfspec_stats")
@@ -86,5 +96,6 @@ def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
     assert out == vanilla
     assert len(ranks) == 2 and stats[EXERCISED[method]] > 0
     same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "plan_hist",
-            EXERCISED[method]) + (("cascade_exits",) if method == "cascade" else ())
+            EXERCISED[method]) + (("cascade_exits",) if method in ("cascade", "adadecode")
+                                  else ())
     assert [{k: r[k] for k in same} for r in ranks[1:]] == [{k: ranks[0][k] for k in same}]

@@ -235,3 +235,56 @@ def test_usable_prefix():
     assert usable_prefix([5, 6, 7], 10, [5, 6], 11) == 0  # other positions
     assert usable_prefix([5, 6, 7], 10, [5, 9], 10) == 0  # other tokens
     assert usable_prefix([5], 10, [5, 6], 10) == 0  # more rows than the round
+
+
+# ---- the policy: options and clear errors ------------------------------------------------------
+def _policy(tmp_path, kind="adadecode", ident=None, **opts):
+    from vllm_selfspec.config import SelfSpecConfig
+    from vllm_selfspec.heads import HeadSet, ModelIdentity, make_head, save_heads
+    from vllm_selfspec.policies import ModelInfo
+
+    model = ModelInfo(num_layers=8, hidden_size=16, vocab_size=32, architecture="LlamaForCausalLM")
+    ident = ident or ModelIdentity("LlamaForCausalLM", 8, 16, 32, "0123456789abcdef")
+    heads = {layer: make_head(kind, ident.hidden_size, 8 if kind == "cascade" else None)
+             for layer in (2, 4, 6)}
+    path = save_heads(tmp_path / f"heads-{kind}-{ident.hidden_size}", HeadSet(kind, heads, ident))
+    cfg = SelfSpecConfig.load({"method": "adadecode", "heads": str(path), **opts})
+    cfg.validate_for_model(model)
+    return cfg.make_policy(model)
+
+
+def test_policy_defaults_and_options(tmp_path):
+    p = _policy(tmp_path)
+    assert p.exit_layers == (2, 4, 6) and p.threshold == 0.85 and p.max_draft_tokens == 5
+    assert p.deferred and p.head_for_layer(4) == "heads@4"
+    p = _policy(tmp_path, threshold=0.7, exit_layers=[6, 2], num_speculative_tokens=3)
+    assert p.exit_layers == (2, 6) and p.threshold == 0.7 and p.max_draft_tokens == 3
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"threshold": 0}, r"threshold \(γ\) must be in \(0, 1\]"),
+    ({"threshold": "high"}, "threshold"),
+    ({"exit_layers": [3]}, r"subset of the trained heads' layers \[2, 4, 6\]"),
+    ({"exit_layers": []}, "exit_layers"),
+    ({"exit_layer": 4}, "unknown option"),
+])
+def test_bad_options_are_config_errors(tmp_path, opts, match):
+    from vllm_selfspec.config import SelfSpecConfigError
+
+    with pytest.raises(SelfSpecConfigError, match=match):
+        _policy(tmp_path, **opts)
+
+
+def test_wrong_or_missing_heads_say_how_to_train(tmp_path):
+    from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+    from vllm_selfspec.heads import ModelIdentity
+
+    with pytest.raises(SelfSpecConfigError, match="kind 'cascade'.*train-heads --kind adadecode"):
+        _policy(tmp_path, kind="cascade")
+    other = ModelIdentity("LlamaForCausalLM", 8, 32, 32, "0123456789abcdef")
+    with pytest.raises(SelfSpecConfigError, match="hidden_size=32, this model has 16"):
+        _policy(tmp_path, ident=other)
+    cfg = SelfSpecConfig.load({"method": "adadecode"})
+    with pytest.raises(SelfSpecConfigError, match="no trained AdaDecode heads.*train-heads "
+                                                  "--kind adadecode --model"):
+        cfg.resolved(str(tmp_path / "some-model"))

@@ -1,0 +1,99 @@
+"""AdaDecode on the embedded model: early predictions with deferred deep layers keep vanilla
+vLLM's greedy output token for token, under continuous batching and under a token budget that
+makes the scheduler verify requests steps after they drafted; and the finishing pass really
+resumes the early tokens (their shallow layers are not computed again).
+
+The heads here are built, not trained (AdaDecode heads at their identity initialisation: each
+exit reads the model's own LM head at that layer), saved in the real format, with a threshold
+low enough that they predict early often and are rejected often, so the test is fast and covers
+the wiring and the schedule; training is covered by tests/unit/test_heads.py and the trained
+heads by the benchmarks (docs/benchmarks.md, "AdaDecode").
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from selfspec_testing import engine, token_ids
+from vllm import SamplingParams
+
+import vllm_selfspec
+from vllm_selfspec.config import SelfSpecConfigError
+from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
+
+pytestmark = pytest.mark.engine
+PROMPTS = ["def fibonacci(n):", "The three primary colours are", "Write a haiku about rain.",
+           "import numpy as np\n\ndef normalise(x):", "List three uses of a paperclip:",
+           "class Stack:\n    def __init__(self):"]
+MAX_TOKENS = 40
+L = 30
+
+
+def build_heads(model_path: str, out, kind: str = "adadecode", layers=(8, 16, 24)):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    identity = identity_from_hf(hf)
+    torch.manual_seed(0)
+    heads = {layer: make_head(kind, identity.hidden_size) for layer in layers}
+    return save_heads(out, HeadSet(kind, heads, identity), training={"built": "test"})
+
+
+@pytest.fixture(scope="module")
+def ada_heads(model_path, tmp_path_factory):
+    return str(build_heads(model_path, tmp_path_factory.mktemp("adadecode") / "heads"))
+
+
+@pytest.fixture(scope="module")
+def vanilla(model_path):
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with engine(model_path, max_num_seqs=4) as llm:
+        return token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+
+
+def _run(model_path, spec, **kw):
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with engine(model_path, speculative_config=spec, **{"max_num_seqs": 4, **kw}) as llm:
+        out = token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+        return out, vllm_selfspec.get_stats(llm)
+
+
+def test_adadecode_keeps_parity_and_computes_deep_layers_once(model_path, ada_heads, vanilla):
+    spec = {"method": "adadecode", "heads": ada_heads, "threshold": 0.4,
+            "num_speculative_tokens": 4}
+    got, stats = _run(model_path, spec)
+    assert got == vanilla
+    # the schedule was exercised: early predictions at several heads, accepted and rejected
+    exits = stats["cascade_exits"]
+    assert sum(1 for k in ("8", "16", "24") if exits.get(k, {}).get("drafted")) >= 2, exits
+    assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+    assert max(stats["draft_length_hist"]) >= 2
+    lc = stats["layer_computations"]
+    # the finishing pass resumed the rows: fewer (token, layer) computations than running every
+    # verified row through all layers, and the draft steps' layers are not repeated
+    assert lc["verify"] < lc["verified_rows"] * L
+    assert lc["per_token"] < lc["draft_then_verify_per_token"]
+    assert stats["policy"]["threshold"] == 0.4
+
+
+def test_adadecode_parity_when_verified_steps_after_drafting(model_path, ada_heads, vanilla):
+    # a token budget of 6 for 4 running requests: the scheduler verifies some requests steps
+    # after they drafted, and some with fewer drafts than proposed; their rounds must then run
+    # from layer 0 (or resume only the rows that match)
+    spec = {"method": "adadecode", "heads": ada_heads, "threshold": 0.4,
+            "num_speculative_tokens": 4}
+    got, stats = _run(model_path, spec, max_num_batched_tokens=6)
+    assert got == vanilla
+    assert stats["drafted_tokens"] > 0
+
+
+def test_adadecode_config_errors_before_serving(model_path, ada_heads, tmp_path):
+    cascade = build_heads(model_path, tmp_path / "cascade", kind="cascade", layers=(8,))
+    cases = [({"heads": str(cascade)}, "kind 'cascade'"),
+             ({"heads": str(tmp_path / "nope")}, "train-heads --kind adadecode"),
+             ({"heads": ada_heads, "threshold": 1.5}, "threshold"),
+             ({"heads": ada_heads, "exit_layers": [9]}, "exit_layers")]
+    for extra, msg in cases:
+        spec = {"method": "adadecode", **extra}
+        with pytest.raises(SelfSpecConfigError, match=msg):
+            with engine(model_path, speculative_config=spec):
+                pass
