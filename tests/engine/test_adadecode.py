@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from selfspec_testing import engine, token_ids
+from selfspec_testing import engine, save_tiny_llama, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -72,18 +72,31 @@ def test_adadecode_keeps_parity_and_computes_deep_layers_once(model_path, ada_he
     # verified row through all layers, and the draft steps' layers are not repeated
     assert lc["verify"] < lc["verified_rows"] * L
     assert lc["per_token"] < lc["draft_then_verify_per_token"]
+    assert lc["rounds_dropped"] == 0  # every round was verified in the very next step
     assert stats["policy"]["threshold"] == 0.4
 
 
-def test_adadecode_parity_when_verified_steps_after_drafting(model_path, ada_heads, vanilla):
-    # a token budget of 6 for 4 running requests: the scheduler verifies some requests steps
-    # after they drafted, and some with fewer drafts than proposed; their rounds must then run
-    # from layer 0 (or resume only the rows that match)
-    spec = {"method": "adadecode", "heads": ada_heads, "threshold": 0.4,
-            "num_speculative_tokens": 4}
-    got, stats = _run(model_path, spec, max_num_batched_tokens=6)
-    assert got == vanilla
-    assert stats["drafted_tokens"] > 0
+def test_adadecode_parity_when_verified_steps_after_drafting(tmp_path):
+    """A token budget of 12 for 12 running requests that draft (a tiny 4-layer model, so that
+    prefills are short and all requests run at once): the scheduler verifies some requests steps
+    after they drafted (their round then runs from layer 0 again) and some with fewer drafts
+    than proposed (only the rows that match resume)."""
+    model = save_tiny_llama(tmp_path / "tiny", 32, lm_head_scale=60.0)
+    heads = build_heads(model, tmp_path / "heads", layers=(1, 2))
+    prompts = [{"prompt_token_ids": [3, i % 32, 4]} for i in range(24)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=12,
+              max_num_batched_tokens=12)
+    with engine(model, **kw) as llm:
+        want = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    spec = {"method": "adadecode", "heads": str(heads), "threshold": 0.5,
+            "num_speculative_tokens": 3}
+    with engine(model, speculative_config=spec, **kw) as llm:
+        got = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+        stats = vllm_selfspec.get_stats(llm)
+    assert got == want
+    lc = stats["layer_computations"]
+    assert stats["accepted_tokens"] > 0 and lc["rounds_resumed"] > 0 and lc["rounds_dropped"] > 0
 
 
 def test_adadecode_config_errors_before_serving(model_path, ada_heads, tmp_path):

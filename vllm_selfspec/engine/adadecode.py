@@ -211,6 +211,7 @@ class DeferredEngine:
         resume (the caller then runs the model's own forward)."""
         pending, self.pending = self.pending, {}
         if not pending or input_ids is None:
+            self.proposer.stats.rounds_dropped += len(pending)
             return None
         ib = runner.input_batch
         num_reqs = ib.num_reqs
@@ -233,6 +234,9 @@ class DeferredEngine:
                 continue
             depth[a:b] = rec.round.depth[:n]
             resumed.append((a, n, rec))
+        st = self.proposer.stats
+        st.rounds_resumed += len(resumed)
+        st.rounds_dropped += len(pending) - len(resumed)
         if not resumed:
             return None
         h = layout.embed(input_ids)

@@ -46,6 +46,11 @@ class EngineStats:
     verify_token_layers: int = 0
     verify_rows: int = 0
     decode_tokens: int = 0
+    # AdaDecode rounds the next target forward resumed at their depth, and rounds it could not
+    # (the request was not scheduled in that step, or not with the round's tokens): those run
+    # from layer 0 again
+    rounds_resumed: int = 0
+    rounds_dropped: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -106,7 +111,8 @@ def layer_computations(st: EngineStats, num_layers: int) -> dict[str, Any]:
     n = st.decode_tokens or 1
     ours = st.draft_token_layers + st.verify_token_layers
     draft_then_verify = st.draft_token_layers + st.verify_rows * num_layers
-    return {"tokens": st.decode_tokens, "draft": st.draft_token_layers,
+    return {"rounds_resumed": st.rounds_resumed, "rounds_dropped": st.rounds_dropped,
+            "tokens": st.decode_tokens, "draft": st.draft_token_layers,
             "verify": st.verify_token_layers, "verified_rows": st.verify_rows,
             "per_token": ours / n, "vanilla_per_token": float(num_layers),
             "draft_then_verify_per_token": draft_then_verify / n,
