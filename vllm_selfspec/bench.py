@@ -249,6 +249,33 @@ def markdown_table(methods: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def layer_table(methods: dict[str, dict]) -> str | None:
+    """AdaDecode's figures (methods whose stats have ``layer_computations``): early predictions
+    per emitted token, rejection rate, sequential layer passes per token (1 / tokens-per-layer;
+    vanilla: L) and (token, layer) computations per token beside vanilla's and a
+    draft-then-verify method's with the same drafts."""
+    rows = []
+    for name, m in methods.items():
+        st = m.get("selfspec_stats") or {}
+        lc = st.get("layer_computations")
+        if not lc:
+            continue
+        gen, drafted = st.get("generated_tokens") or 0, st.get("drafted_tokens") or 0
+        acc = st.get("acceptance_rate")
+        tpl = m.get("tokens_per_layer")
+        rows.append(f"| {name} | {_fmt(drafted / gen if gen else None, '.3f')} "
+                    f"| {_fmt(None if acc is None else 1 - acc, pct=True)} "
+                    f"| {_fmt(1 / tpl if tpl else None, '.1f')} "
+                    f"| {_fmt(lc['per_token'], '.1f')} | {_fmt(lc['draft_then_verify_per_token'], '.1f')} "
+                    f"| {_fmt(lc['vanilla_per_token'], '.0f')} "
+                    f"| {lc.get('rounds_resumed', '–')}/{lc.get('rounds_dropped', '–')} |")
+    if not rows:
+        return None
+    return "\n".join(["| method | early predictions / token | rejection rate | layer passes / token "
+                      "| (token, layer) computations / token | draft-then-verify | vanilla "
+                      "| rounds resumed/dropped |", "|" + "---|" * 8] + rows)
+
+
 def plot_speedup(methods: dict[str, dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -319,6 +346,9 @@ def main(args: argparse.Namespace) -> int:
                     engine_omp_cores=raw["vanilla"]["engine_omp_cores"], engine_args=ENGINE_ARGS,
                     command_line=_command_line())
     table = markdown_table(methods)
+    layers = layer_table(methods)
+    if layers:
+        table += "\n\nAdaDecode (early predictions, deferred layers):\n\n" + layers
     quality = None
     if getattr(args, "quality", False):
         quality = _quality(args, model, raw, methods, out)
