@@ -103,6 +103,23 @@ def families(stats: dict[str, Any], labels: dict[str, str], num_layers: int,
             exits.add_metric([*values, str(layer), "accepted"], float(row["accepted"]))
         out.append(exits)
 
+    lc = stats.get("layer_computations")
+    if lc:  # AdaDecode
+        comp = CounterMetricFamily(PREFIX + "token_layer_computations",
+                                   "AdaDecode: (token, layer) computations of decode steps, in "
+                                   "draft walks and in the target forwards that finish them.",
+                                   labels=[*names, "phase"])
+        comp.add_metric([*values, "draft"], float(lc["draft"]))
+        comp.add_metric([*values, "verify"], float(lc["verify"]))
+        rounds = CounterMetricFamily(PREFIX + "deferred_rounds",
+                                     "AdaDecode rounds the next target forward resumed at their "
+                                     "depth, or ran from layer 0 again (the request was not "
+                                     "scheduled with the round's tokens in that step).",
+                                     labels=[*names, "outcome"])
+        rounds.add_metric([*values, "resumed"], float(lc["rounds_resumed"]))
+        rounds.add_metric([*values, "dropped"], float(lc["rounds_dropped"]))
+        out += [comp, rounds]
+
     times = stats.get("time_s", {})
     total = times.get("total") or 0.0
     secs = CounterMetricFamily(PREFIX + "time_seconds",

@@ -116,3 +116,19 @@ def test_cascade_families():
     assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="8",{lab},outcome="accepted"}}'] == 4
     assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="none",{lab},'
              f'outcome="drafted"}}'] == 3
+
+
+def test_adadecode_families():
+    from vllm_selfspec.engine.stats import layer_computations
+
+    st = EngineStats()
+    st.draft_token_layers, st.verify_token_layers, st.verify_rows = 300, 60, 10
+    st.decode_tokens, st.rounds_resumed, st.rounds_dropped = 12, 9, 1
+    d = {**st.as_dict(), "layer_computations": layer_computations(st, L)}
+    lc = d["layer_computations"]
+    assert lc["per_token"] == 30.0 and lc["draft_then_verify_per_token"] == (300 + 10 * L) / 12
+    m = _scrape(_Static(families(d, {"model_name": "m", "method": "adadecode"}, L, 3)))
+    lab = 'method="adadecode",model_name="m"'
+    assert m[f'vllm:selfspec_token_layer_computations_total{{{lab},phase="draft"}}'] == 300
+    assert m[f'vllm:selfspec_token_layer_computations_total{{{lab},phase="verify"}}'] == 60
+    assert m[f'vllm:selfspec_deferred_rounds_total{{{lab},outcome="dropped"}}'] == 1
