@@ -10,7 +10,8 @@ The same JSON works everywhere vLLM takes a speculative config::
 Keys: ``method`` (a selfspec method), ``num_speculative_tokens`` (the draft length, or its upper
 bound for adaptive methods), ``capture_tokens`` (rows of verified-token hidden states handed to
 the policy per request and step), ``draft_vocab_size`` (draft logits over the N most frequent
-tokens only; null: the full vocabulary; "auto": ``AUTO_DRAFT_VOCAB_SIZE`` when the model has a
+tokens only; null: the full vocabulary; "auto": ``AUTO_DRAFT_VOCAB_SIZE`` (or the method's own
+``auto_draft_vocab_size``) when the model has a
 cached map, else the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
 the model's cached one, see ``vocab.py``) and the method's own options (``policies/<method>.py``).
 """
@@ -179,7 +180,7 @@ class SelfSpecConfig:
             else:
                 vocab = str(found)
         if n == "auto":
-            n = AUTO_DRAFT_VOCAB_SIZE
+            n = POLICIES[self.method].auto_draft_vocab_size or AUTO_DRAFT_VOCAB_SIZE
         return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
                               options, n, vocab)
 

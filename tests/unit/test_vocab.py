@@ -112,3 +112,13 @@ def test_auto_size_uses_a_cached_map_or_the_full_vocabulary(tmp_path, monkeypatc
     r = cfg.resolved(model)
     assert r.draft_vocab_size == AUTO_DRAFT_VOCAB_SIZE and r.draft_vocab == str(
         default_vocab_dir(model))
+
+
+def test_auto_size_is_the_methods_own_when_it_has_one(tmp_path, monkeypatch):
+    from vllm_selfspec.vocab import default_vocab_dir
+
+    monkeypatch.setenv("VLLM_SELFSPEC_HOME", str(tmp_path / "home"))
+    model = str(tmp_path / "m")
+    save_vocab(default_vocab_dir(model), torch.ones(10, dtype=torch.int64), IDENT, {})
+    cfg = SelfSpecConfig.load({"method": "adadecode", "heads": "some-dir"})
+    assert cfg.resolved(model).draft_vocab_size == 4096  # AdaDecodePolicy.auto_draft_vocab_size

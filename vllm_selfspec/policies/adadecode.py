@@ -18,7 +18,7 @@ Options:
 * ``threshold``: γ, in (0, 1] (default 0.85, the paper's; 1 never predicts early);
 * ``exit_layers``: the heads to use (default: every trained one), a subset of the heads' layers;
 * ``num_speculative_tokens``: the most early predictions per round (default 5, the paper's limit);
-* ``draft_vocab_size``: "auto" by default: the heads' logits over the model's 8192 most frequent
+* ``draft_vocab_size``: "auto" by default: the heads' logits over the model's 4096 most frequent
   tokens when its map is cached (the confidence is then a probability over those tokens).
 
 There is no per-request statistic: the paper's rule is a fixed threshold.
@@ -44,6 +44,10 @@ class AdaDecodePolicy(Policy):
     name = "adadecode"
     options = {"heads": "auto", "threshold": 0.85, "exit_layers": None}
     common_defaults = {"num_speculative_tokens": 5, "draft_vocab_size": "auto"}
+    #: every draft walk evaluates a head at each exit it passes, so the head's cost counts more
+    #: than for other methods: 4096 tokens measured 1.04x vs 0.93x with 8192 (HumanEval bs 1,
+    #: docs/benchmarks.md), with the same acceptance
+    auto_draft_vocab_size = 4096
     #: the engine drafts with the deferred-layer schedule and resumes the rows in the next target
     #: forward (engine/adadecode.py) instead of drafting with a layer plan
     deferred = True

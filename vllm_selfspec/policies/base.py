@@ -99,6 +99,8 @@ class Policy(ABC):
     #: stores it in ``latency`` before the first ``optimise``
     needs_latency: bool = False
     latency: Any = None
+    #: draft_vocab_size "auto" for this method (None: config.AUTO_DRAFT_VOCAB_SIZE)
+    auto_draft_vocab_size: int | None = None
     #: AdaDecode: the engine drafts with the deferred-layer schedule (vllm_selfspec/deferred.py)
     #: and the next target forward resumes the round's tokens at their depth
     deferred: bool = False
