@@ -45,3 +45,18 @@ def save_tiny_llama(path, vocab: int, lm_head_scale: float = 1.0) -> str:
         model.model.embed_tokens.weight.mul_(30.0)
     model.save_pretrained(path)
     return str(path)
+
+
+def save_built_heads(model_path: str, out, kind: str, layers) -> str:
+    """Heads of ``kind`` for ``model_path`` at their initialisation (AdaDecode: the identity, so
+    each exit reads the model's own LM head at its layer), saved in the real format at ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
+
+    identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(model_path,
+                                                                     dtype=torch.float32))
+    torch.manual_seed(0)
+    heads = {layer: make_head(kind, identity.hidden_size) for layer in layers}
+    return str(save_heads(out, HeadSet(kind, heads, identity), training={"built": "test"}))

@@ -12,13 +12,11 @@ heads by the benchmarks (docs/benchmarks.md, "AdaDecode").
 from __future__ import annotations
 
 import pytest
-import torch
-from selfspec_testing import engine, save_tiny_llama, token_ids
+from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
 from vllm_selfspec.config import SelfSpecConfigError
-from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
 PROMPTS = ["def fibonacci(n):", "The three primary colours are", "Write a haiku about rain.",
@@ -28,14 +26,8 @@ MAX_TOKENS = 40
 L = 30
 
 
-def build_heads(model_path: str, out, kind: str = "adadecode", layers=(8, 16, 24)):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    identity = identity_from_hf(hf)
-    torch.manual_seed(0)
-    heads = {layer: make_head(kind, identity.hidden_size) for layer in layers}
-    return save_heads(out, HeadSet(kind, heads, identity), training={"built": "test"})
+def build_heads(model_path: str, out, kind: str = "adadecode", layers=(8, 16, 24)) -> str:
+    return save_built_heads(model_path, out, kind, layers)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from selfspec_testing import engine, save_tiny_llama
+from selfspec_testing import engine, save_built_heads, save_tiny_llama
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -125,41 +125,33 @@ def test_drafts_verified_steps_later_keep_their_q(tiny_model, monkeypatch):
     assert not [w for w in warnings if "draft probabilities" in w], warnings[:3]
 
 
-def test_del_sampling_at_temperature_0_6(tiny_model):
-    """DEL's adaptive drafts (per-request exit and length, confidence stop) at T = 0.6."""
-    spec = {"method": "del", "exit_layers": [1, 2], "shadow_every": 1, "capture_tokens": 4}
+def _sampled_like_vanilla(tiny_model, spec, name: str) -> dict:
+    """Sample at T = 0.6 with vanilla and with ``spec``; the sampled tokens must follow the same
+    distribution per position and the greedy rows of the batch stay identical. The stats."""
     with engine(tiny_model, **KW) as llm:
         want, want_greedy = _sample(llm, temperature=0.6)
     with engine(tiny_model, speculative_config=spec, **KW) as llm:
         got, greedy = _sample(llm, temperature=0.6)
         stats = vllm_selfspec.get_stats(llm)
-    assert stats["drafted_tokens"] > 0, "DEL never drafted: the test would be vacuous"
+    assert stats["drafted_tokens"] > 0, f"{name} never drafted: the test would be vacuous"
     assert greedy == want_greedy, "greedy requests in a sampled batch changed"
     p = _min_pvalue(want, got)
-    assert p > ALPHA, f"DEL sampling at T=0.6 differs from vanilla (p={p:.2e})"
+    assert p > ALPHA, f"{name} sampling at T=0.6 differs from vanilla (p={p:.2e})"
+    return stats
+
+
+def test_del_sampling_at_temperature_0_6(tiny_model):
+    """DEL's adaptive drafts (per-request exit and length, confidence stop) at T = 0.6."""
+    spec = {"method": "del", "exit_layers": [1, 2], "shadow_every": 1, "capture_tokens": 4}
+    _sampled_like_vanilla(tiny_model, spec, "DEL")
 
 
 def test_adadecode_sampling_at_temperature_0_6(tiny_model, tmp_path):
     """AdaDecode's early tokens are drawn from the exit head's softmax(logits / T) and verified
     with min(1, p/q) (the q handed to vLLM's rejection sampler); their deep layers finish in the
     verifying forward."""
-    from transformers import AutoModelForCausalLM
-
-    from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
-
-    identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(tiny_model,
-                                                                     dtype=torch.float32))
-    heads = {layer: make_head("adadecode", identity.hidden_size) for layer in (1, 2)}
-    path = save_heads(tmp_path / "heads", HeadSet("adadecode", heads, identity))
-    spec = {"method": "adadecode", "heads": str(path), "threshold": 0.5,
-            "num_speculative_tokens": 3}
-    with engine(tiny_model, **KW) as llm:
-        want, want_greedy = _sample(llm, temperature=0.6)
-    with engine(tiny_model, speculative_config=spec, **KW) as llm:
-        got, greedy = _sample(llm, temperature=0.6)
-        stats = vllm_selfspec.get_stats(llm)
+    path = save_built_heads(tiny_model, tmp_path / "heads", "adadecode", (1, 2))
+    spec = {"method": "adadecode", "heads": path, "threshold": 0.5, "num_speculative_tokens": 3}
+    stats = _sampled_like_vanilla(tiny_model, spec, "AdaDecode")
     assert stats["drafted_tokens"] > 100, "AdaDecode rarely drafted: the test would be weak"
     assert stats["accepted_tokens"] < stats["drafted_tokens"]
-    assert greedy == want_greedy, "greedy requests in a sampled batch changed"
-    p = _min_pvalue(want, got)
-    assert p > ALPHA, f"AdaDecode sampling at T=0.6 differs from vanilla (p={p:.2e})"

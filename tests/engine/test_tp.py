@@ -8,7 +8,7 @@ have taken the same decisions (its statistics are replicas of rank 0's).
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, save_tiny_llama, token_ids
+from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -51,27 +51,16 @@ def tiny_model(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
 
 
-def _built_heads(tiny_model, out, kind: str) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
-
-    identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(tiny_model,
-                                                                     dtype=torch.float32))
-    torch.manual_seed(0)
-    heads = {layer: make_head(kind, identity.hidden_size) for layer in (1, 2)}
-    return str(save_heads(out / "heads", HeadSet(kind, heads, identity)))
-
-
 @pytest.fixture(scope="module")
 def cascade_heads(tiny_model, tmp_path_factory) -> str:
-    return _built_heads(tiny_model, tmp_path_factory.mktemp("tp-cascade"), "cascade")
+    return save_built_heads(tiny_model, tmp_path_factory.mktemp("tp-cascade") / "heads",
+                            "cascade", (1, 2))
 
 
 @pytest.fixture(scope="module")
 def adadecode_heads(tiny_model, tmp_path_factory) -> str:
-    return _built_heads(tiny_model, tmp_path_factory.mktemp("tp-adadecode"), "adadecode")
+    return save_built_heads(tiny_model, tmp_path_factory.mktemp("tp-adadecode") / "heads",
+                            "adadecode", (1, 2))
 
 
 def _generate(llm) -> list[list[int]]:

@@ -23,9 +23,8 @@ preempt the request); anything else runs from layer 0, which is always correct.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -48,7 +47,7 @@ class _DraftBackend:
     request r's round, at flat index ``r * width + i`` of the state buffers."""
 
     def __init__(self, engine: "DeferredEngine", runner, rows: list[int], rounds: list[Round],
-                 pos0: np.ndarray, width: int, temps: list[float], probs, prob_rows: list[int]):
+                 pos0: np.ndarray, width: int, temps: list[float], probs):
         p = engine.proposer
         self.engine, self.p, self.rounds, self.width = engine, p, rounds, width
         self.exe = p.executor
@@ -69,7 +68,9 @@ class _DraftBackend:
         param = self.exe.layout.norm.weight
         self.h = torch.zeros(B * width, d, dtype=param.dtype, device=dev)
         self.res = torch.zeros_like(self.h)
-        self.temps, self.probs, self.prob_rows = temps, probs, prob_rows
+        self.pos0 = pos0
+        #: request r's sampled drafts' q go to probs[r] (None: all greedy)
+        self.temps, self.probs = temps, probs
         self.plan = LayerPlan.full(p.info.num_layers)
         self._md: dict[tuple, tuple] = {}
 
@@ -80,14 +81,15 @@ class _DraftBackend:
     def run(self, rows: list[tuple[int, int]], start: int, stop: int) -> None:
         key = tuple(rows)
         if key not in self._md:
-            reqs = sorted({r for r, _ in rows})
-            counts = [sum(1 for r2, _ in rows if r2 == r) for r in reqs]
-            last = [len(self.rounds[r].tokens) - 1 for r in reqs]
+            per_req = Counter(r for r, _ in rows)  # rows are ordered by request
+            reqs = list(per_req)
             idx = self._idx(rows)
-            seq = torch.tensor([int(self.pos[r * self.width + i]) + 1
-                                for r, i in zip(reqs, last)], dtype=torch.int32)
-            md = self.engine.metadata(self.table[torch.tensor(reqs, device=self.h.device)],
-                                      counts, seq, self.slots[idx], self.pos[idx])
+            # each request's rows end at its round's last token
+            seq = torch.tensor([int(self.pos0[r]) + len(self.rounds[r].tokens) for r in reqs],
+                               dtype=torch.int32)
+            md = self.p.rows_metadata(self.table[torch.tensor(reqs, device=self.h.device)],
+                                      list(per_req.values()), seq, self.slots[idx],
+                                      self.pos[idx])
             self._md[key] = (idx, md)
         idx, (md, slot_map) = self._md[key]
         if start == 0:  # rows entering the model: embeddings, no residual yet
@@ -132,7 +134,7 @@ class _DraftBackend:
                 qa = q[a]
                 if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
                     qa = qa.new_zeros(self.p.info.vocab_size).index_copy_(0, vocab_ids, qa)
-                self.probs[self.prob_rows[r], len(self.rounds[r].tokens) - 1] = qa.to(
+                self.probs[r, len(self.rounds[r].tokens) - 1] = qa.to(
                     self.probs.dtype)
         return tokens, confident
 
@@ -153,29 +155,6 @@ class DeferredEngine:
         #: requests whose rows in the last target forward were decode rows (not a prefill)
         self.decoding: set[str] = set()
 
-    # ---- attention metadata for a subset of rows ----------------------------------------------
-    def metadata(self, block_table: torch.Tensor, q_lens: list[int], seq_lens: torch.Tensor,
-                 slots: torch.Tensor, positions: torch.Tensor):
-        """Metadata for rows grouped by request (``q_lens`` consecutive rows each, the last at
-        ``seq_lens - 1``), for every attention layer, and its slot-mapping dict."""
-        p = self.proposer
-        dev = positions.device
-        qsl_cpu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-        seq_cpu = seq_lens.to(torch.int32).cpu()
-        cm = p._CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(dev), seq_lens_cpu_upper_bound=seq_cpu,
-            num_reqs=len(q_lens), num_actual_tokens=int(qsl_cpu[-1]), max_query_len=max(q_lens),
-            max_seq_len=int(seq_cpu.max()), block_table_tensor=block_table,
-            slot_mapping=slots, causal=True, positions=positions)
-        md: dict[str, Any] = {}
-        for group in p._draft_attn_groups():
-            group_md = group.build_metadata_for_drafting(cm, draft_index=0)
-            for name in group.layer_names:
-                md[name] = group_md
-        return md, dict.fromkeys(md, slots)
-
     # ---- drafting -------------------------------------------------------------------------------
     def draft(self, runner, active, sampling_metadata, probs, drafts: list[list[int]]) -> None:
         """One draft round for the ``active`` requests ((batch row, decision, max drafts)):
@@ -189,8 +168,7 @@ class DeferredEngine:
         if not sampling_metadata.all_greedy:
             t = sampling_metadata.temperature.cpu()
             temps = [float(t[i]) for i in rows]
-        backend = _DraftBackend(self, runner, rows, rounds, pos0, max(gammas) + 1, temps, probs,
-                                list(range(len(rows))))
+        backend = _DraftBackend(self, runner, rows, rounds, pos0, max(gammas) + 1, temps, probs)
         draft_round(backend, rounds, gammas, self.exits)
         st = self.proposer.stats
         for j, (i, rnd) in enumerate(zip(rows, rounds)):
@@ -259,7 +237,7 @@ class DeferredEngine:
             seq = positions[torch.from_numpy(qsl[reqs + 1] - 1).to(positions.device)] + 1
             table = ib.block_table[0].get_device_tensor(num_reqs)[
                 torch.from_numpy(reqs).to(h.device)]
-            md, slot_map = self.metadata(table, counts.tolist(), seq, slot_all[idx],
+            md, slot_map = self.proposer.rows_metadata(table, counts.tolist(), seq, slot_all[idx],
                                          positions[idx])
             with self.proposer._set_forward_context(md, self.proposer.vllm_config,
                                                     num_tokens=len(rows), slot_mapping=slot_map):

@@ -465,24 +465,33 @@ class SelfSpecProposer:
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):
         """Attention metadata (one query per request at ``pos``) for every attention layer."""
-        B = pos.shape[0]
-        qsl_cpu = torch.arange(B + 1, dtype=torch.int32)
-        seq_cpu = (pos.cpu() + 1).to(torch.int32)
         blk = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
         slot = blk.to(torch.int64) * block_size + pos % block_size
-        dev = pos.device
+        return self.rows_metadata(block_table, [1] * pos.shape[0], pos.cpu() + 1, slot, pos,
+                                  draft_index=step)
+
+    def rows_metadata(self, block_table: torch.Tensor, q_lens: list[int],
+                      seq_lens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                      draft_index: int = 0):
+        """Attention metadata for rows grouped by request (``q_lens`` consecutive rows each, the
+        last at position ``seq_lens - 1``), for every attention layer, and its slot-mapping
+        dict."""
+        dev = positions.device
+        qsl_cpu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+        seq_cpu = seq_lens.to(torch.int32).cpu()
         cm = self._CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_cpu.to(dev), seq_lens_cpu_upper_bound=seq_cpu,
-            num_reqs=B, num_actual_tokens=B, max_query_len=1,
+            num_reqs=len(q_lens), num_actual_tokens=int(qsl_cpu[-1]), max_query_len=max(q_lens),
             max_seq_len=int(seq_cpu.max()), block_table_tensor=block_table,
-            slot_mapping=slot, causal=True, positions=pos)
+            slot_mapping=slots, causal=True, positions=positions)
         md: dict[str, Any] = {}
         for group in self._draft_attn_groups():
-            group_md = group.build_metadata_for_drafting(cm, draft_index=step)
+            group_md = group.build_metadata_for_drafting(cm, draft_index=draft_index)
             for name in group.layer_names:
                 md[name] = group_md
-        return md, dict.fromkeys(md, slot)
+        return md, dict.fromkeys(md, slots)
 
     def _draft_attn_groups(self) -> list:
         """The drafter's own metadata builders for the target's attention layers (built once, so

@@ -28,16 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..plans import LayerPlan
-from .base import DraftDecision, ModelInfo, Policy
+from .base import DraftDecision, ModelInfo, Policy, heads_config, resolve_heads
 
 HEAD_KIND = "adadecode"
-
-
-def _train_hint(model_path: str | None = None) -> str:
-    model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
-    return (f"train them once with `vllm-selfspec train-heads --kind {HEAD_KIND}{model}` "
-            f"(about 15 minutes on a 2-core CPU for the embedded model), then pass "
-            f"\"heads\": HEADS_DIR or leave \"heads\": \"auto\" for the embedded model")
 
 
 class AdaDecodePolicy(Policy):
@@ -54,40 +47,13 @@ class AdaDecodePolicy(Policy):
 
     @classmethod
     def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        if config.get("heads", "auto") == "auto":
-            from ..models import cached_heads
-
-            found = cached_heads(model_path, HEAD_KIND)
-            if found is None:
-                raise ValueError(f"adadecode: no trained AdaDecode heads are cached for the model "
-                                 f"{model_path}; {_train_hint(model_path)}")
-            config["heads"] = str(found)
-        return config
+        return resolve_heads(config, model_path, cls.name, HEAD_KIND, "AdaDecode")
 
     @staticmethod
     def _trained_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...] | None:
         """The heads' layers, checked against the model (None while ``heads`` is "auto")."""
-        heads = config.get("heads", "auto")
-        if heads == "auto":
-            return None
-        if not isinstance(heads, str) or not heads:
-            raise ValueError(f"adadecode: heads must be \"auto\" or a head directory, "
-                             f"got {heads!r}")
-        from ..heads.io import read_config
-
-        try:
-            hc = read_config(heads)
-        except ValueError as e:
-            raise ValueError(f"adadecode: heads: {e}; {_train_hint()}") from e
-        if hc.get("kind") != HEAD_KIND:
-            raise ValueError(f"adadecode: the heads in {heads} are of kind {hc.get('kind')!r}; "
-                             f"adadecode needs kind {HEAD_KIND!r}: {_train_hint()}")
-        base = hc["base_model"]
-        for key in ("num_layers", "hidden_size", "vocab_size"):
-            if base[key] != getattr(model, key):
-                raise ValueError(f"adadecode: the heads in {heads} were trained for a model "
-                                 f"with {key}={base[key]}, this model has {getattr(model, key)}")
-        return tuple(sorted(int(layer) for layer in hc["layers"]))
+        hc = heads_config(config, model, "adadecode", HEAD_KIND)
+        return None if hc is None else tuple(sorted(int(layer) for layer in hc["layers"]))
 
     @classmethod
     def exits(cls, config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:

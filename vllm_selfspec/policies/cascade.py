@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from ..plans import LayerPlan
-from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .base import DraftDecision, Feedback, ModelInfo, Policy, heads_config, resolve_heads
 
 HEAD_KIND = "cascade"
 #: observations the priors of p_i and a_i are worth
@@ -88,13 +88,6 @@ class CascadeExit:
     threshold: float  # exit when the estimator's confidence >= threshold
 
 
-def _train_hint(model_path: str | None = None) -> str:
-    model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
-    return (f"train them once with `vllm-selfspec train-heads --kind {HEAD_KIND}{model}` "
-            f"(about 20 minutes on a 2-core CPU for the embedded model), then pass "
-            f"\"heads\": HEADS_DIR or leave \"heads\": \"auto\" for the embedded model")
-
-
 @dataclass
 class CascadeState:
     """Decayed per-exit counts of one request (index = position in the cascade)."""
@@ -115,40 +108,13 @@ class CascadePolicy(Policy):
 
     @classmethod
     def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        if config.get("heads", "auto") == "auto":
-            from ..models import cached_heads
-
-            found = cached_heads(model_path, HEAD_KIND)
-            if found is None:
-                raise ValueError(f"cascade: no trained cascade heads are cached for the model "
-                                 f"{model_path}; {_train_hint(model_path)}")
-            config["heads"] = str(found)
-        return config
+        return resolve_heads(config, model_path, cls.name, HEAD_KIND, "cascade")
 
     @staticmethod
     def _heads_config(config: dict[str, Any], model: ModelInfo) -> dict[str, Any] | None:
         """The heads' config.json, checked against the model (None while still "auto")."""
-        heads = config.get("heads", "auto")
-        if heads == "auto":
-            return None
-        if not isinstance(heads, str) or not heads:
-            raise ValueError(f"cascade: heads must be \"auto\" or a head directory, got {heads!r}")
-        from ..heads.io import read_config
-
-        try:
-            hc = read_config(heads)
-        except ValueError as e:
-            raise ValueError(f"cascade: heads: {e}; {_train_hint()}") from e
-        if hc.get("kind") != HEAD_KIND:
-            raise ValueError(f"cascade: the heads in {heads} are of kind {hc.get('kind')!r}; "
-                             f"cascade needs kind {HEAD_KIND!r} (adapters with confidence "
-                             f"estimators): {_train_hint()}")
-        base = hc["base_model"]
-        for key in ("num_layers", "hidden_size", "vocab_size"):
-            if base[key] != getattr(model, key):
-                raise ValueError(f"cascade: the heads in {heads} were trained for a model with "
-                                 f"{key}={base[key]}, this model has {getattr(model, key)}")
-        return hc
+        return heads_config(config, model, "cascade", HEAD_KIND,
+                            " (adapters with confidence estimators)")
 
     @classmethod
     def exits(cls, config: dict[str, Any], model: ModelInfo) -> tuple[CascadeExit, ...]:
