@@ -13,7 +13,10 @@ the policy per request and step), ``draft_vocab_size`` (draft logits over the N 
 tokens only; null: the full vocabulary; "auto": ``AUTO_DRAFT_VOCAB_SIZE`` (or the method's own
 ``auto_draft_vocab_size``) when the model has a
 cached map, else the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
-the model's cached one, see ``vocab.py``) and the method's own options (``policies/<method>.py``).
+the model's cached one, see ``vocab.py``), ``goodput`` (true: the goodput controller of
+``goodput.py`` chooses every request's draft length for the whole batch from measured costs, 0
+when drafting does not pay; false: each policy's own draft lengths, as they are) and the method's
+own options (``policies/<method>.py``).
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from .policies import POLICIES, ModelInfo
 
 #: config keys shared by every method, with defaults
 COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32,
-                                  "draft_vocab_size": None, "draft_vocab": "auto"}
+                                  "draft_vocab_size": None, "draft_vocab": "auto",
+                                  "goodput": True}
 #: draft_vocab_size "auto": the reduced vocabulary measured best on the embedded model
 #: (docs/benchmarks.md, "Cheap draft steps")
 AUTO_DRAFT_VOCAB_SIZE = 8192
@@ -86,6 +90,7 @@ class SelfSpecConfig:
     options: dict[str, Any] = field(default_factory=dict)
     draft_vocab_size: int | None = None
     draft_vocab: str | None = "auto"  # a map directory once resolved
+    goodput: bool = True  # the batch-wide goodput controller caps every draft length
 
     @classmethod
     def load(cls, spec: Any) -> "SelfSpecConfig":
@@ -119,13 +124,16 @@ class SelfSpecConfig:
         if not isinstance(vocab, str) or not vocab:
             raise SelfSpecConfigError(
                 f"draft_vocab must be \"auto\" or a draft-vocabulary directory, got {vocab!r}")
+        goodput = merged.pop("goodput")
+        if not isinstance(goodput, bool):
+            raise SelfSpecConfigError(f"goodput must be true or false, got {goodput!r}")
         return cls(method=method, num_speculative_tokens=k, capture_tokens=cap, options=merged,
-                   draft_vocab_size=n_vocab, draft_vocab=vocab)
+                   draft_vocab_size=n_vocab, draft_vocab=vocab, goodput=goodput)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "capture_tokens": self.capture_tokens, "draft_vocab_size": self.draft_vocab_size,
-                "draft_vocab": self.draft_vocab, **self.options}
+                "draft_vocab": self.draft_vocab, "goodput": self.goodput, **self.options}
 
     def validate_for_model(self, model: ModelInfo) -> None:
         if model.architecture not in SUPPORTED_ARCHITECTURES:
@@ -182,7 +190,7 @@ class SelfSpecConfig:
         if n == "auto":
             n = POLICIES[self.method].auto_draft_vocab_size or AUTO_DRAFT_VOCAB_SIZE
         return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
-                              options, n, vocab)
+                              options, n, vocab, self.goodput)
 
     def make_policy(self, model: ModelInfo):
         return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

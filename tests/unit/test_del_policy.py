@@ -165,23 +165,6 @@ def test_time_cost_uses_measured_seconds_and_falls_back_to_layers():
     assert p.propose(s).num_tokens > 5
 
 
-def test_linear_fit_and_step_costs():
-    from vllm_selfspec.engine.costs import LinearFit, StepCosts
-
-    f = LinearFit(decay=1.0)
-    f.add(2, 5.0)
-    assert f.predict(2) is None  # one x value: no slope yet
-    f.add(4, 9.0)
-    f.add(6, 13.0)
-    assert f.coefficients() == pytest.approx((1.0, 2.0))
-    c = StepCosts()
-    c.draft.add(1, 1.0)
-    c.draft.add(3, 2.0)
-    assert c.draft_seconds(5) == pytest.approx(3.0)
-    c.freeze(((0.0, 10.0), None))  # rank 0's coefficients win
-    assert c.draft_seconds(2) == pytest.approx(20.0) and c.verify_seconds(2) is None
-
-
 def test_round_expectations_match_a_simulated_draft_loop():
     rng = np.random.default_rng(0)
     beta, accept, cap, n = 0.6, 0.8, 5, 200_000

@@ -105,7 +105,7 @@ class _DraftBackend:
         st = self.p.stats
         st.draft_token_layers += len(rows) * (stop - start)
         st.draft_layers += (stop - start) * len({r for r, _ in rows})
-        self.p.costs.draft.add(stop - start, time.perf_counter() - t0)
+        self.p.costs.add_draft(stop - start, len(rows), time.perf_counter() - t0)
 
     def predict(self, requests: list[int], layer: int) -> tuple[list[int], list[bool]]:
         rows = [(r, len(self.rounds[r].tokens) - 1) for r in requests]

@@ -25,10 +25,10 @@ import torch
 
 from .. import compat
 from ..config import SelfSpecConfig
+from ..goodput import AcceptanceTracker, Candidate, GoodputController, StepCostModel
 from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
 from .adadecode import DeferredEngine
-from .costs import StepCosts
 from .executor import PlanExecutor
 from .shadow import ShadowProjector
 from .stats import EngineStats, layer_computations
@@ -118,11 +118,17 @@ class SelfSpecProposer:
         self.capture_tokens = self.config.capture_tokens
         self.states: dict[str, Any] = {}
         self.stats = EngineStats()
-        self.costs = StepCosts()
+        #: measured seconds of target forwards and draft steps (goodput.py), read by timed
+        #: policies and the controller
+        self.costs = StepCostModel()
         self.policy.costs = self.costs
+        #: per request and draft position: P(accepted | the drafts before it accepted)
+        self.acceptance = AcceptanceTracker(self.k)
+        self._rates: dict[str, Any] = {}
+        #: the batch-wide choice of draft lengths (None: each policy's own lengths)
+        self.controller = GoodputController(self.costs) if self.config.goodput else None
         self._tp = vllm_config.parallel_config.tensor_parallel_size
-        self._step_draft_seconds = 0.0  # selfspec time inside the current runner step
-        self._verify_tokens: float | None = None  # tokens per request of the current step
+        self._last_seconds = 0.0  # selfspec's time in the previous step (its draft steps)
         self.runner = None
         self.executor: PlanExecutor | None = None
         #: AdaDecode's draft rounds and finishing pass (set in load_model)
@@ -194,6 +200,7 @@ class SelfSpecProposer:
 
     def on_request_finished(self, req_id: str) -> None:
         self.states.pop(req_id, None)
+        self._rates.pop(req_id, None)
         self._round_exits.pop(req_id, None)
         self._pending_q.pop(req_id, None)
         if self.deferred is not None:
@@ -221,10 +228,13 @@ class SelfSpecProposer:
         st.steps += 1
         t_start = time.perf_counter()
         per_req = scheduler_output.num_scheduled_tokens
-        # a verification (or plain decode) step, not a prefill: its time calibrates verify costs
-        self._verify_tokens = (sum(per_req.values()) / len(per_req)
-                               if per_req and max(per_req.values()) <= self.k + 1 else None)
-        if self.policy.timed and self._tp > 1:  # decisions must match on every rank
+        # a decode/verify step (no prefill chunk): its target forward, timed from the runner's
+        # execute_model to here, is a sample of the step-cost line in scheduled tokens
+        decode_step = bool(per_req) and max(per_req.values()) <= self.k + 1
+        target_seconds = t_start - getattr(runner, "_selfspec_t0", t_start)
+        if decode_step and target_seconds > 0:
+            self.costs.add_target(sum(per_req.values()), target_seconds)
+        if (self.policy.timed or self.controller is not None) and self._tp > 1:
             self.costs.freeze(compat.broadcast_from_tp_rank0(self.costs.state()))
 
         L = self.info.num_layers
@@ -236,6 +246,7 @@ class SelfSpecProposer:
             state = self.states.get(req_id)
             if state is None:
                 state = self.states[req_id] = self.policy.new_state()
+                self._rates[req_id] = self.acceptance.new_state()
             entries.append((i, req_id, state))
 
         captured: dict[int, tuple] = {}
@@ -248,11 +259,14 @@ class SelfSpecProposer:
 
         active: list[tuple[int, DraftDecision, int]] = []
         due: list[tuple[int, Any]] = []  # (batch row, state) whose plan search is due
+        emitted = 0
         with st.timer("policy"):
             for i, req_id, state in entries:
                 sampled = sampled_token_ids[i]
                 n_drafted = len(scheduled.get(req_id, ()))
                 n_accepted = len(sampled) - 1 if n_drafted else 0
+                self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
+                emitted += len(sampled)
                 st.generated_tokens += len(sampled)
                 st.target_rounds += 1
                 st.target_layers += L
@@ -282,6 +296,11 @@ class SelfSpecProposer:
                 self.policy.observe(state, fb)
                 if self.policy.wants_optimise(state):
                     due.append((i, state))
+        if self.controller is not None:
+            # what the last choice achieved: this step's tokens over its target forward plus
+            # the previous step's selfspec time (its draft steps)
+            self.controller.settle(emitted if decode_step else 0, len(entries),
+                                   target_seconds + self._last_seconds)
         if due:
             with st.timer("optimise"):
                 self._optimise(runner, due)
@@ -291,14 +310,38 @@ class SelfSpecProposer:
                 decision = self.policy.propose(state)
                 # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
                 g = min(decision.num_tokens, self.k, self.max_model_len - n)
-                if g > 0:
-                    active.append((i, decision, g))
+                active.append((i, decision, max(g, 0)))
+        if self.controller is not None and active:
+            with st.timer("controller"):
+                active = self._control(ib.req_ids, active)
+        active = [a for a in active if a[2] > 0]
 
         if active:
             with st.timer("draft"):
                 self._draft(runner, active, sampling_metadata, drafts)
-        self._step_draft_seconds = time.perf_counter() - t_start
+        self._last_seconds = time.perf_counter() - t_start
         return drafts
+
+    def _control(self, req_ids, active):
+        """The goodput controller's draft lengths for the whole batch (rank 0's under TP)."""
+        coef = self.costs.draft_coefficients()
+        cands = []
+        for i, decision, g in active:
+            layers = decision.plan.layer_cost
+            row = plan = 0.0
+            if coef is not None:
+                row, plan = float(coef[2]) * layers, float(coef[0] + coef[1] * layers)
+            accept = self.acceptance.cumulative(self._rates[req_ids[i]], g)
+            cands.append(Candidate(g, accept, row, plan))
+        tokens = self.controller.choose(cands).tokens
+        if self._tp > 1:  # each rank timed its own steps: draft what rank 0 chose
+            tokens = compat.broadcast_from_tp_rank0(tokens)
+        st = self.stats
+        st.controller_cut_tokens += sum(g - min(g, t) for (_, _, g), t in zip(active, tokens))
+        st.controller_probes += int(self.controller.last_probe)
+        if not any(tokens):
+            st.controller_plain_steps += 1
+        return [(i, d, min(g, t)) for (i, d, g), t in zip(active, tokens)]
 
     def _optimise(self, runner, due) -> None:
         """Searching policies (KnapSpec): run their search on the live model, per request."""
@@ -310,13 +353,6 @@ class SelfSpecProposer:
         for i, state in due:
             self.policy.optimise(state, KnapsackForward(self, table[i]))
             self.stats.optimisations += 1
-
-    def record_step(self, seconds: float) -> None:
-        """The runner step took ``seconds`` (execute_model + sample_tokens): calibrate the
-        verification cost with its part outside selfspec."""
-        if self._verify_tokens is not None:
-            self.costs.verify.add(self._verify_tokens, seconds - self._step_draft_seconds)
-        self._verify_tokens, self._step_draft_seconds = None, 0.0
 
     # ---- feedback: hidden states of the verified tokens ---------------------------------------
     def _capture(self, ib, batch_rows, sampled_token_ids, scheduled, aux, common_attn_metadata):
@@ -414,7 +450,7 @@ class SelfSpecProposer:
                         plan, cascade, tok[J].to(dev), pos, torch.tensor(caps))
             if cascade is None:
                 logits = self.executor.logits(plan, h, res)
-            self.costs.draft.add(depth, time.perf_counter() - t0)
+            self.costs.add_draft(depth, len(alive), time.perf_counter() - t0)
             self.stats.draft_layers += depth * len(alive)
             if walks is not None:
                 chosen = chosen.tolist()
@@ -520,9 +556,14 @@ class SelfSpecProposer:
     def stats_dict(self) -> dict[str, Any]:
         d = self.stats.as_dict()
         d["policy"] = self.policy.describe()
-        (draft, verify) = self.costs.state()
-        # measured lines: seconds = a + b * layers (draft step) / a + b * tokens per request
-        d["costs"] = {"draft_step_s": draft, "verify_step_s": verify}
+        target, draft = self.costs.target_line(), self.costs.draft_coefficients()
+        # measured: target forward = v0 + v1 * scheduled tokens; a draft step =
+        # d0 + d1 * layers + d2 * layers * rows (seconds)
+        d["costs"] = {"target_forward_s": None if target is None else list(target),
+                      "draft_step_s": None if draft is None else draft.tolist()}
+        if self.controller is not None:
+            d["controller"].update(achieved=self.controller.achieved,
+                                   calibration=self.controller.calibration())
         d["draft_vocab_size"] = self.config.draft_vocab_size
         d["live_requests"] = len(self.states)
         if self.deferred is not None:

@@ -1,5 +1,5 @@
 """Engine counters and the per-method time breakdown (draft / verify / policy / shadow /
-optimise).
+optimise / controller).
 
 "shadow" is the hidden-state capture of verified tokens (and, for methods that project it, the
 shadow-token work); "optimise" is a searching policy's plan search on the model (KnapSpec's DP);
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-TIME_KEYS = ("draft", "policy", "shadow", "optimise", "step")
+TIME_KEYS = ("draft", "policy", "shadow", "optimise", "controller", "step")
 
 
 @dataclass
@@ -51,6 +51,11 @@ class EngineStats:
     # from layer 0 again
     rounds_resumed: int = 0
     rounds_dropped: int = 0
+    # the goodput controller: draft tokens the policies proposed and the controller did not let
+    # run, steps in which no request drafted (a paid draft), and its probes
+    controller_cut_tokens: int = 0
+    controller_plain_steps: int = 0
+    controller_probes: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -66,7 +71,7 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         s = self.seconds
-        other = s["draft"] + s["policy"] + s["shadow"] + s["optimise"]
+        other = s["draft"] + s["policy"] + s["shadow"] + s["optimise"] + s["controller"]
         layers = self.draft_layers + self.target_layers
         return {
             "steps": self.steps,
@@ -84,6 +89,9 @@ class EngineStats:
             "unverified_tokens": self.unverified_tokens,
             "unverified_tokens_by_request": dict(self.unverified_by_request),
             "optimisations": self.optimisations,
+            "controller": {"cut_tokens": self.controller_cut_tokens,
+                           "plain_steps": self.controller_plain_steps,
+                           "probes": self.controller_probes},
             # per draft round: sub-layers the plan skipped (layers past an early exit included)
             "skipped_attn_per_round": self.skipped_attn / self.draft_rounds
             if self.draft_rounds else None,
@@ -99,7 +107,8 @@ class EngineStats:
                if self.exit_drafted else {}),
             # seconds inside the runner: verify = the target step minus the selfspec parts
             "time_s": {"draft": s["draft"], "policy": s["policy"], "shadow": s["shadow"],
-                       "optimise": s["optimise"], "verify": max(0.0, s["step"] - other),
+                       "optimise": s["optimise"], "controller": s["controller"],
+                       "verify": max(0.0, s["step"] - other),
                        "total": s["step"]},
         }
 

@@ -1,0 +1,220 @@
+"""The goodput controller (vllm_selfspec/goodput.py) on synthetic costs and acceptance curves."""
+import numpy as np
+import pytest
+
+from vllm_selfspec.goodput import (AcceptanceTracker, Candidate, GoodputController, OnlineFit,
+                                   StepCostModel)
+
+
+def measured(v0=0.05, v1=0.007, d0=0.004, d1=0.0005, d2=0.0002, batches=(1, 2, 4, 8, 16)):
+    """A cost model fed exact samples of known lines."""
+    c = StepCostModel()
+    for b in batches:
+        for extra in (0, b, 2 * b):
+            c.add_target(b + extra, v0 + v1 * (b + extra))
+    for layers in (4, 8, 16):
+        for rows in (1, 4, 8):
+            c.add_draft(layers, rows, d0 + d1 * layers + d2 * layers * rows)
+    return c
+
+
+def test_online_fit_recovers_a_line_and_clips():
+    f = OnlineFit(2, decay=1.0)
+    for x in (1, 2, 3, 4):
+        f.add((1.0, x), 3.0 + 2.0 * x)
+    assert f.coefficients() == pytest.approx([3.0, 2.0], rel=1e-4)
+    g = OnlineFit(2, decay=1.0)
+    for x in (1, 2, 3):
+        g.add((1.0, x), 5.0 - x)  # a negative slope is clipped at 0
+    assert g.coefficients()[1] == 0.0
+    assert OnlineFit(2).coefficients() is None  # too few samples
+
+
+def test_cost_model_fits_target_and_draft_lines():
+    c = measured()
+    v0, v1 = c.target_line()
+    assert (v0, v1) == pytest.approx((0.05, 0.007), rel=1e-3)
+    assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
+    assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.007 * 10, rel=1e-3)
+    c.freeze(((1.0, 0.5), np.array([0.0, 0.0, 1.0])))  # rank 0's figures win under TP
+    assert c.target_seconds(2) == 2.0 and c.draft_seconds(2, rows=3) == 6.0
+
+
+def test_one_token_count_gives_the_prior_slope_not_a_free_verification():
+    c = StepCostModel()
+    for _ in range(10):
+        c.add_target(8, 0.110)  # plain steps at batch 8 only: the slope is not identified
+    v0, v1 = c.target_line()
+    assert v1 == pytest.approx(StepCostModel.PRIOR_SLOPE_SHARE * 0.110 / 8)
+    assert v0 + 8 * v1 == pytest.approx(0.110)
+
+
+def test_noisy_negative_slope_is_bounded_below():
+    c = StepCostModel()
+    rng = np.random.default_rng(0)
+    for i in range(40):  # batch 1, 1 or 2 tokens; noise makes 2 tokens look cheaper
+        n = 1 + i % 2
+        c.add_target(n, 0.060 - 0.004 * (n - 1) + rng.normal(0, 0.001))
+    v0, v1 = c.target_line()
+    assert v1 >= StepCostModel.MIN_SLOPE_SHARE * 0.058 / 1.5 * 0.9
+
+
+def test_acceptance_tracker_counts_conditional_rates():
+    t = AcceptanceTracker(4, decay=1.0, weight=1e-9)
+    s = t.new_state()
+    for _ in range(10):
+        t.observe(s, drafted=4, accepted=2)  # positions 1, 2 accepted; 3 rejected; 4 not judged
+    cond = t.conditional(s)
+    assert cond[:3] == pytest.approx([1.0, 1.0, 0.0], abs=1e-6)
+    assert s.tried[3] == 0
+    cum = t.cumulative(s, 3)
+    assert list(cum) == sorted(cum, reverse=True)
+
+
+def test_new_requests_start_from_the_batch_wide_rate():
+    t = AcceptanceTracker(4)
+    old = t.new_state()
+    for _ in range(50):
+        t.observe(old, drafted=4, accepted=4)
+    new = t.new_state()
+    assert t.conditional(new)[0] > 0.9
+    t2 = AcceptanceTracker(4)
+    for _ in range(50):
+        t2.observe(t2.new_state(), drafted=4, accepted=0)
+    assert t2.conditional(t2.new_state())[0] < 0.1
+
+
+def cand(p, n, costs, layers=8):
+    c = costs.draft_coefficients()
+    return Candidate(n, np.cumprod([p] * n), float(c[2] * layers), float(c[0] + c[1] * layers))
+
+
+def test_drafts_when_it_pays_at_batch_1():
+    costs = measured()
+    ctl = GoodputController(costs)
+    choice = ctl.choose([cand(0.9, 4, costs)])
+    assert choice.tokens[0] >= 3
+    assert choice.expected_tokens / choice.expected_seconds > 1 / costs.target_seconds(1)
+
+
+def test_does_not_draft_when_acceptance_is_low():
+    costs = measured()
+    ctl = GoodputController(costs)
+    assert ctl.choose([cand(0.1, 4, costs)]).tokens == [0]
+
+
+def test_drafts_less_as_the_batch_grows():
+    """The same request (acceptance 0.6) drafts at batch 1 and not at batch 16, where its drafts
+    would lengthen a step that already yields 16 tokens."""
+    costs = measured()
+    small = GoodputController(costs).choose([cand(0.6, 4, costs)]).tokens
+    big = GoodputController(costs).choose([cand(0.6, 4, costs) for _ in range(16)]).tokens
+    assert small[0] >= 1
+    assert sum(big) < sum(small) * 16 and max(big) <= small[0]
+
+
+def test_mixed_batch_drafts_for_the_good_requests_only():
+    costs = measured()
+    choice = GoodputController(costs).choose([cand(0.95, 4, costs), cand(0.05, 4, costs)])
+    assert choice.tokens[0] > 0 and choice.tokens[1] == 0
+
+
+def test_free_drafts_are_verified_where_paid_ones_would_not_pay():
+    costs = measured(d0=0.05, d1=0.005)  # a draft step as dear as a target step
+    paid = cand(0.7, 4, costs)
+    free = Candidate(4, np.cumprod([0.7] * 4), free=True)
+    assert GoodputController(costs).choose([paid]).tokens == [0]
+    assert GoodputController(costs).choose([free]).tokens[0] >= 2
+
+
+def test_worked_example_of_the_docstring():
+    c = StepCostModel()
+    c.freeze(((0.070, 0.007), np.array([0.005, 0.0, 0.004])))
+    a = Candidate(3, np.array([0.9, 0.8, 0.7]), 0.004, 0.005)
+    b = Candidate(3, np.array([0.3, 0.1, 0.03]), 0.004, 0.005)
+    choice = GoodputController(c, margin=0.0).choose([a, b])
+    assert choice.tokens == [3, 0]
+    assert choice.expected_tokens / choice.expected_seconds == pytest.approx(4.4 / 0.132)
+
+
+def test_nothing_measured_yet_drafts_one_token_to_measure():
+    ctl = GoodputController(StepCostModel())
+    assert ctl.choose([Candidate(3, np.ones(3))]).tokens == [1]
+
+
+def test_backs_off_when_speculation_measures_slower_than_plain_and_probes_rarely():
+    costs = measured()
+    ctl = GoodputController(costs)
+    good = [cand(0.9, 4, costs)]
+    plain = costs.target_seconds(1)
+    # the model says drafting pays, but every speculative step achieves only half of plain's rate
+    for _ in range(30):
+        choice = ctl.choose(good)
+        if any(choice.tokens):
+            ctl.settle(emitted=1, requests=1, seconds=2 * plain)
+    assert ctl.achieved < 1.0
+    drafted = []
+    for _ in range(400):
+        choice = ctl.choose(good)
+        drafted.append(any(choice.tokens))
+        if any(choice.tokens):
+            ctl.settle(emitted=1, requests=1, seconds=2 * plain)
+    assert 2 <= sum(drafted) <= 8  # back-off doubles: a handful of trials in 400 steps
+    # once trials pay, speculation resumes
+    resumed = 0
+    for _ in range(2000):
+        choice = ctl.choose(good)
+        if any(choice.tokens):
+            ctl.settle(emitted=1 + sum(choice.tokens), requests=1, seconds=1.1 * plain)
+            resumed += 1
+    assert ctl.achieved > 1.0 and resumed > 1000
+
+
+def test_simulated_batches_never_lose_to_plain_decoding():
+    """A synthetic engine with known costs: at every batch size and acceptance, the controller's
+    achieved tokens per second is at least 0.97x plain decoding's, and it gains where drafting
+    pays."""
+    rng = np.random.default_rng(1)
+    v0, v1, d0, d1, d2 = 0.05, 0.007, 0.004, 0.0005, 0.0004
+    layers = 8
+
+    def run(batch, p, steps=300):
+        costs = StepCostModel()
+        ctl = GoodputController(costs)
+        tracker = AcceptanceTracker(4)
+        states = [tracker.new_state() for _ in range(batch)]
+        tokens = seconds = 0.0
+        for _ in range(steps):
+            coef = costs.draft_coefficients()
+            cands = [Candidate(4, tracker.cumulative(s, 4),
+                               0.0 if coef is None else coef[2] * layers,
+                               0.0 if coef is None else coef[0] + coef[1] * layers)
+                     for s in states]
+            ks = ctl.choose(cands).tokens
+            draft = 0.0
+            for step in range(max(ks)):
+                rows = sum(k > step for k in ks)
+                t = d0 + d1 * layers + d2 * layers * rows
+                costs.add_draft(layers, rows, t)
+                draft += t
+            n = batch + sum(ks)
+            target = (v0 + v1 * n) * rng.uniform(0.95, 1.05)
+            costs.add_target(n, target)
+            emitted = 0
+            for s, k in zip(states, ks):
+                acc = 0
+                while acc < k and rng.random() < p:
+                    acc += 1
+                tracker.observe(s, k, acc)
+                emitted += 1 + acc
+            ctl.settle(emitted, batch, target + draft)
+            tokens += emitted
+            seconds += target + draft
+        return tokens / seconds, batch / (v0 + v1 * batch)
+
+    for batch in (1, 4, 16):
+        for p in (0.05, 0.5, 0.9):
+            rate, plain = run(batch, p)
+            assert rate >= 0.97 * plain, (batch, p, rate / plain)
+    rate, plain = run(1, 0.9)
+    assert rate > 1.3 * plain

@@ -1,0 +1,352 @@
+"""The goodput controller: how many tokens each request of the batch drafts this step.
+
+Pure logic (numpy, no vLLM), unit-tested on synthetic costs in ``tests/unit/test_goodput.py``.
+The engine (``engine/proposer.py``) feeds it measured seconds and verification outcomes; each
+policy still decides *how* a request drafts (exit layer, skip set, walk); this module decides
+*how much*, for the whole batch at once, so that the batch's expected emitted tokens per second
+is as high as it can be — and never, as measured, below plain decoding's.
+
+Three parts:
+
+* ``StepCostModel`` — seconds of a target forward as a line in the step's total scheduled tokens
+  (plain decode steps included), and of one draft step as ``d0 + d1·layers + d2·layers·rows``;
+  both measured online with forgetting. The verify slope is bounded below (a noisy fit must not
+  make verification free) and, until the data can tell it, taken as a conservative prior.
+* ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
+  accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one).
+* ``GoodputController.choose`` — the draft length of every request together (0 allowed).
+
+Worked example (one step, batch of 2, the costs of this project's CPU at batch 2)::
+
+    target forward V(N) = 70 ms + 7 ms · N   (N = scheduled tokens: 2 plain, 2 + drafts)
+    draft step         = 5 ms fixed + 4 ms per drafting row
+    request a: P(first j drafts accepted) = 0.9, 0.8, 0.7      (a code request)
+    request b: P = 0.3, 0.1, 0.03                              (a chat request)
+
+    no drafts:            2 tokens / 84 ms                          = 23.8 tokens/s
+    a drafts 1:           2.9 / (84 + 7 + 5 + 4)                    = 29.0
+    a drafts 3:           (2 + 2.4) / (84 + 21 + 3·(5 + 4))         = 33.0   <- chosen
+    a 3 and b 1:          (2 + 2.4 + 0.3) / (84 + 28 + 3·5 + 4·4)   = 32.9
+
+so request a drafts three tokens and request b none; at batch 16 the same request a would draft
+less, because its drafts then lengthen a step that already yields 16 tokens. A request whose
+drafts keep failing drafts nothing; every ``probe_every`` steps (doubling while probes fail) one
+such request drafts a token again, so its estimate can recover.
+
+The safety net compares what speculation *achieved* with plain decoding at the same batch size:
+each speculative step's emitted tokens per second over the fitted plain step's (``B / V(B)``).
+While that ratio's running mean is below 1 the controller drafts nothing but probes, so a wrong
+cost or acceptance estimate costs a few steps, not a run.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class OnlineFit:
+    """y ≈ coef · x for feature vectors x, least squares with forgetting factor ``decay`` per
+    sample; coefficients are clipped at ``lower`` and None until ``min_samples`` were seen."""
+
+    def __init__(self, n: int, decay: float = 0.98, lower: float = 0.0,
+                 min_samples: float = 3.0) -> None:
+        self.decay, self.lower, self.min_samples = decay, lower, min_samples
+        self.xtx = np.zeros((n, n))
+        self.xty = np.zeros(n)
+        self.count = 0.0
+
+    def add(self, x, y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * y
+        self.count = self.decay * self.count + 1.0
+
+    def coefficients(self) -> np.ndarray | None:
+        if self.count < self.min_samples:
+            return None
+        # a light ridge keeps features the data cannot separate (one row count, one plan) at
+        # their least-norm values instead of blowing up
+        ridge = 1e-6 * max(np.trace(self.xtx), 1e-12)
+        coef = np.linalg.solve(self.xtx + ridge * np.eye(len(self.xty)), self.xty)
+        return np.maximum(coef, self.lower)
+
+
+class StepCostModel:
+    """Measured seconds of the whole batch's steps (rank 0's under tensor parallelism).
+
+    * target forward: ``V(N) = v0 + v1·N`` over decode/verify steps, N = scheduled tokens;
+    * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
+    """
+
+    #: an extra verified token costs at least this share of a plain step's seconds per token
+    MIN_SLOPE_SHARE = 0.05
+    #: until the data separates slope from intercept, assume this share (conservative on a GPU,
+    #: where verification is nearly free; measured 4-12 ms of ~60 ms per token on this CPU)
+    PRIOR_SLOPE_SHARE = 0.25
+
+    def __init__(self) -> None:
+        self.target = OnlineFit(2)
+        self.draft = OnlineFit(3)
+        self._mean_tokens = self._mean_seconds = 0.0  # decayed means of plain/verify steps
+        self._frozen: tuple | None = None
+
+    # ---- measurements ---------------------------------------------------------------------------
+    def add_target(self, tokens: int, seconds: float) -> None:
+        self.target.add((1.0, tokens), seconds)
+        self._mean_tokens = 0.98 * self._mean_tokens + tokens
+        self._mean_seconds = 0.98 * self._mean_seconds + seconds
+
+    def add_draft(self, layers: float, rows: int, seconds: float) -> None:
+        self.draft.add((1.0, layers, layers * rows), seconds)
+
+    # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
+    def state(self) -> tuple:
+        return (self._target_line(), self.draft.coefficients())
+
+    def freeze(self, state: tuple | None) -> None:
+        self._frozen = state
+
+    # ---- predictions ----------------------------------------------------------------------------
+    def _target_line(self) -> tuple[float, float] | None:
+        if self._mean_tokens <= 0:
+            return None
+        per_token = self._mean_seconds / self._mean_tokens  # of the steps seen
+        coef = self.target.coefficients()
+        spread = self._spread()
+        if coef is None or spread < 1.0:  # one token count seen: the slope is not identified
+            slope = self.PRIOR_SLOPE_SHARE * per_token
+        else:
+            slope = max(float(coef[1]), self.MIN_SLOPE_SHARE * per_token)
+        mean_x = self._mean_tokens / self.target.count
+        mean_y = self._mean_seconds / self.target.count
+        return max(0.0, mean_y - slope * mean_x), slope
+
+    def _spread(self) -> float:
+        """Standard deviation of the token counts seen (decayed)."""
+        c = self.target.count
+        if c <= 0:
+            return 0.0
+        mean = self.target.xtx[0, 1] / c
+        return math.sqrt(max(0.0, self.target.xtx[1, 1] / c - mean * mean))
+
+    def target_line(self) -> tuple[float, float] | None:
+        """(v0, v1): a target forward of N tokens takes v0 + v1·N seconds; None before data."""
+        return self._frozen[0] if self._frozen is not None else self._target_line()
+
+    def draft_coefficients(self) -> np.ndarray | None:
+        return self._frozen[1] if self._frozen is not None else self.draft.coefficients()
+
+    def target_seconds(self, tokens: float) -> float | None:
+        line = self.target_line()
+        return None if line is None else line[0] + line[1] * tokens
+
+    def draft_seconds(self, layers: float, rows: int = 1) -> float | None:
+        c = self.draft_coefficients()
+        return None if c is None else float(c[0] + c[1] * layers + c[2] * layers * rows)
+
+    def verify_seconds(self, tokens: float, batch: int = 1) -> float | None:
+        """A step in which one request verifies ``tokens`` tokens and the other ``batch - 1``
+        requests one each (what a policy's per-request time comparisons need)."""
+        return self.target_seconds(batch - 1 + tokens)
+
+
+@dataclass
+class _Rates:
+    tried: np.ndarray
+    accepted: np.ndarray
+
+
+class AcceptanceTracker:
+    """P(draft j accepted | drafts before it accepted), per request and position j (1-based),
+    from verification outcomes: decayed per request, shrunk towards the batch-wide figure."""
+
+    def __init__(self, max_tokens: int, decay: float = 0.9, weight: float = 2.0,
+                 prior: float = 0.5) -> None:
+        self.k, self.decay, self.weight, self.prior = max_tokens, decay, weight, prior
+        self.all = _Rates(np.zeros(max_tokens), np.zeros(max_tokens))
+
+    def new_state(self) -> _Rates:
+        return _Rates(np.zeros(self.k), np.zeros(self.k))
+
+    def observe(self, state: _Rates, drafted: int, accepted: int) -> None:
+        """One verification: ``accepted`` of ``drafted`` drafts (a prefix) were accepted."""
+        if drafted <= 0:
+            return
+        reached = min(accepted + 1, drafted)  # positions whose predecessors were all accepted
+        for r, d in ((state, self.decay), (self.all, 0.995)):
+            r.tried *= d
+            r.accepted *= d
+            r.tried[:reached] += 1.0
+            r.accepted[:accepted] += 1.0
+
+    def conditional(self, state: _Rates) -> np.ndarray:
+        """P(draft j accepted | 1..j-1 accepted) for j = 1..k."""
+        w = self.weight
+        overall = (self.all.accepted.sum() + w * self.prior) / (self.all.tried.sum() + w)
+        batch = (self.all.accepted + w * overall) / (self.all.tried + w)
+        return (state.accepted + w * batch) / (state.tried + w)
+
+    def cumulative(self, state: _Rates, n: int) -> np.ndarray:
+        """P(drafts 1..j all accepted) for j = 1..n (n <= k)."""
+        return np.cumprod(self.conditional(state)[:n])
+
+
+@dataclass
+class Candidate:
+    """One request's draft options this step."""
+
+    max_tokens: int  # the policy's draft length (0: the policy does not draft)
+    accept: np.ndarray  # P(first j drafts all accepted), j = 1..max_tokens, non-increasing
+    row_seconds: float = 0.0  # marginal draft seconds per draft step of this row
+    plan_seconds: float = 0.0  # fixed seconds of a draft step of this row's plan
+    free: bool = False  # drafts that cost no draft step (context lookup): only verification
+
+
+@dataclass
+class Choice:
+    tokens: list[int]  # draft length per candidate
+    expected_tokens: float  # expected emitted tokens of the next step
+    expected_seconds: float  # its predicted seconds (draft steps + target forward)
+    plain_seconds: float  # the plain step's predicted seconds
+    probe: bool = False
+
+
+@dataclass
+class GoodputController:
+    """Chooses every request's draft length together, from measured costs and acceptance."""
+
+    costs: StepCostModel
+    #: speculation must beat plain decoding's predicted goodput by this share to run
+    margin: float = 0.03
+    #: steps without paid drafts after which one request probes (doubles while probes fail)
+    probe_every: int = 16
+    max_probe_every: int = 512
+    #: speculative steps' achieved/plain goodput, running mean (1: as good as plain)
+    achieved: float = 1.0
+    achieved_decay: float = 0.9
+    #: predicted vs achieved extra tokens of speculative steps (decayed sums), calibrates the
+    #: acceptance estimates against what the policies' early stops really leave
+    _pred_extra: float = 0.0
+    _real_extra: float = 0.0
+    _idle: int = 0
+    _interval: int = field(default=0)
+    _probe_turn: int = 0
+    _pending: Choice | None = None
+    #: whether the last choice was a probe or a trial after a back-off (for the stats)
+    last_probe: bool = False
+
+    def __post_init__(self) -> None:
+        self._interval = self.probe_every
+
+    # ---- the choice ------------------------------------------------------------------------
+    def calibration(self) -> float:
+        """Achieved/predicted extra tokens of past speculative steps, in [0.25, 1.25]."""
+        if self._pred_extra < 2.0:
+            return 1.0
+        return min(1.25, max(0.25, self._real_extra / self._pred_extra))
+
+    def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
+        """Draft lengths maximising expected emitted tokens / predicted seconds of the next step
+        (``tokens``: scheduled tokens of the step without drafts, default one per candidate)."""
+        n = len(cands)
+        base = float(n if tokens is None else tokens)
+        line = self.costs.target_line()
+        if line is None or self.costs.draft_coefficients() is None and not all(
+                c.free for c in cands if c.max_tokens):
+            # nothing measured yet: one draft token per request, so the costs get measured
+            return Choice([min(1, c.max_tokens) for c in cands], float("nan"), float("nan"),
+                          float("nan"))
+        v0, v1 = line
+        plain = v0 + v1 * base
+        best = Choice([0] * n, float(n), plain, plain)
+        due = self._idle >= self._interval
+        if self.achieved >= 1.0 or due:  # in back-off only a trial step may speculate
+            best_rate = n / plain * (1.0 + self.margin)
+            depth = max((c.max_tokens for c in cands if not c.free), default=0)
+            cal = self.calibration()
+            for steps in range(depth + 1):
+                choice = self._best_for_depth(cands, steps, base, plain, v1, cal)
+                rate = choice.expected_tokens / choice.expected_seconds
+                if rate > best_rate:
+                    best, best_rate = choice, rate
+            best.probe = due and self.achieved < 1.0
+        paid = any(k and not c.free for k, c in zip(best.tokens, cands))
+        self._idle = 0 if paid else self._idle + 1
+        if not paid and due:
+            best = self._probe(cands, best)
+        self._pending = best if any(best.tokens) else None
+        self.last_probe = best.probe
+        return best
+
+    @staticmethod
+    def _best_for_depth(cands, steps, base, plain, v1, cal) -> Choice:
+        """With ``steps`` draft steps: the best set of draft tokens (each costs one verified
+        token, plus its row in a draft step unless free): add tokens by expected tokens per
+        second of cost while that raises the step's goodput (items of one request come in
+        order, since P is non-increasing and the cost per token constant)."""
+        items = []  # (gain, cost, candidate index)
+        fixed = 0.0
+        for i, c in enumerate(cands):
+            if c.max_tokens <= 0:
+                continue
+            depth = c.max_tokens if c.free else min(c.max_tokens, steps)
+            if depth <= 0:
+                continue
+            cost = v1 + (0.0 if c.free else c.row_seconds)
+            if not c.free:
+                fixed = max(fixed, c.plan_seconds)
+            for j in range(depth):
+                items.append((cal * float(c.accept[j]), cost, i))
+        tokens = [0] * len(cands)
+        gain, seconds = base, plain + steps * fixed
+        items.sort(key=lambda it: it[0] / max(it[1], 1e-12), reverse=True)
+        for g, cost, i in items:
+            if g * seconds <= cost * gain:  # adding it would not raise gain / seconds
+                break
+            tokens[i] += 1
+            gain += g
+            seconds += cost
+        return Choice(tokens, gain, seconds, plain)
+
+    def _probe(self, cands: list[Candidate], best: Choice) -> Choice:
+        """One paid draft token for one request (round robin), to re-measure acceptance; the
+        next probe comes twice as late unless a speculative step pays before it."""
+        paid = [i for i, c in enumerate(cands) if c.max_tokens and not c.free]
+        self._idle = 0
+        self._interval = min(2 * self._interval, self.max_probe_every)
+        if not paid:
+            return best
+        i = paid[self._probe_turn % len(paid)]
+        self._probe_turn += 1
+        tokens = list(best.tokens)
+        tokens[i] = max(tokens[i], 1)
+        expected = best.expected_tokens + float(cands[i].accept[0]) * (tokens[i] > best.tokens[i])
+        return Choice(tokens, expected, float("nan"), best.plain_seconds, probe=True)
+
+    # ---- what happened ---------------------------------------------------------------------
+    def settle(self, emitted: int, requests: int, seconds: float) -> None:
+        """The step that verified the last choice emitted ``emitted`` tokens for ``requests``
+        requests and took ``seconds`` (its target forward + the draft steps before it)."""
+        choice, self._pending = self._pending, None
+        if choice is None or seconds <= 0 or requests <= 0:
+            return
+        plain = self.costs.target_seconds(requests)
+        if plain is None:
+            return
+        ratio = (emitted / seconds) / (requests / plain)
+        if choice.probe:  # a trial after a back-off: its outcome alone decides what follows
+            self.achieved = ratio
+        else:
+            d = self.achieved_decay
+            self.achieved = d * self.achieved + (1 - d) * ratio
+        if self.achieved >= 1.0:
+            self._interval = self.probe_every
+        if not math.isnan(choice.expected_tokens):
+            self._pred_extra = 0.95 * self._pred_extra + choice.expected_tokens - len(
+                choice.tokens)
+            self._real_extra = 0.95 * self._real_extra + emitted - requests
+
+    def state(self) -> tuple:
+        return (self.achieved, self.calibration())
