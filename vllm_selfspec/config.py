@@ -15,7 +15,9 @@ tokens only; null: the full vocabulary; "auto": ``AUTO_DRAFT_VOCAB_SIZE`` (or th
 cached map, else the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
 the model's cached one, see ``vocab.py``), ``goodput`` (true: the goodput controller of
 ``goodput.py`` chooses every request's draft length for the whole batch from measured costs, 0
-when drafting does not pay; false: each policy's own draft lengths, as they are) and the method's
+when drafting does not pay; false: each policy's own draft lengths, as they are), ``lookup``
+(true or ``{"max_ngram": 4, "min_ngram": 2}``: free drafts from the request's own context,
+``lookup.py``, taken where they are expected to beat the method's self-draft) and the method's
 own options (``policies/<method>.py``).
 """
 from __future__ import annotations
@@ -25,12 +27,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .lookup import check_options as check_lookup
 from .policies import POLICIES, ModelInfo
 
 #: config keys shared by every method, with defaults
 COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32,
                                   "draft_vocab_size": None, "draft_vocab": "auto",
-                                  "goodput": True}
+                                  "goodput": True, "lookup": False}
 #: draft_vocab_size "auto": the reduced vocabulary measured best on the embedded model
 #: (docs/benchmarks.md, "Cheap draft steps")
 AUTO_DRAFT_VOCAB_SIZE = 8192
@@ -91,6 +94,7 @@ class SelfSpecConfig:
     draft_vocab_size: int | None = None
     draft_vocab: str | None = "auto"  # a map directory once resolved
     goodput: bool = True  # the batch-wide goodput controller caps every draft length
+    lookup: dict[str, Any] = field(default_factory=dict)  # context-lookup options ({}: off)
 
     @classmethod
     def load(cls, spec: Any) -> "SelfSpecConfig":
@@ -127,13 +131,25 @@ class SelfSpecConfig:
         goodput = merged.pop("goodput")
         if not isinstance(goodput, bool):
             raise SelfSpecConfigError(f"goodput must be true or false, got {goodput!r}")
+        try:
+            lookup = check_lookup(merged.pop("lookup"))
+        except ValueError as e:
+            raise SelfSpecConfigError(str(e)) from e
+        if lookup and (policy.deferred or merged.get("lossy")):
+            raise SelfSpecConfigError(
+                f"lookup cannot be combined with {method}"
+                f"{' (lossy)' if merged.get('lossy') else ''} yet: "
+                + ("the lossy sampler would emit lookup drafts unverified"
+                   if merged.get("lossy") else
+                   "its deferred-layer rounds are resumed by the next target forward"))
         return cls(method=method, num_speculative_tokens=k, capture_tokens=cap, options=merged,
-                   draft_vocab_size=n_vocab, draft_vocab=vocab, goodput=goodput)
+                   draft_vocab_size=n_vocab, draft_vocab=vocab, goodput=goodput, lookup=lookup)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "capture_tokens": self.capture_tokens, "draft_vocab_size": self.draft_vocab_size,
-                "draft_vocab": self.draft_vocab, "goodput": self.goodput, **self.options}
+                "draft_vocab": self.draft_vocab, "goodput": self.goodput,
+                "lookup": self.lookup or False, **self.options}
 
     def validate_for_model(self, model: ModelInfo) -> None:
         if model.architecture not in SUPPORTED_ARCHITECTURES:
@@ -190,7 +206,7 @@ class SelfSpecConfig:
         if n == "auto":
             n = POLICIES[self.method].auto_draft_vocab_size or AUTO_DRAFT_VOCAB_SIZE
         return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
-                              options, n, vocab, self.goodput)
+                              options, n, vocab, self.goodput, self.lookup)
 
     def make_policy(self, model: ModelInfo):
         return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

@@ -13,7 +13,8 @@ Three parts:
   both measured online with forgetting. The verify slope is bounded below (a noisy fit must not
   make verification free) and, until the data can tell it, taken as a conservative prior.
 * ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
-  accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one).
+  accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one);
+  for context-lookup drafts (``lookup.py``) the same per match length.
 * ``GoodputController.choose`` — the draft length of every request together (0 allowed).
 
 Worked example (one step, batch of 2, the costs of this project's CPU at batch 2)::
@@ -159,38 +160,43 @@ class _Rates:
 
 
 class AcceptanceTracker:
-    """P(draft j accepted | drafts before it accepted), per request and position j (1-based),
-    from verification outcomes: decayed per request, shrunk towards the batch-wide figure."""
+    """P(a draft token is accepted | the drafts before it were), per request and *slot*, from
+    verification outcomes: decayed per request, shrunk towards the batch-wide figure of the slot,
+    itself shrunk towards the batch-wide overall rate. A slot is the draft position (1..k) for
+    self-drafts, the match length for context-lookup drafts."""
 
-    def __init__(self, max_tokens: int, decay: float = 0.9, weight: float = 2.0,
+    def __init__(self, slots: int, decay: float = 0.9, weight: float = 2.0,
                  prior: float = 0.5) -> None:
-        self.k, self.decay, self.weight, self.prior = max_tokens, decay, weight, prior
-        self.all = _Rates(np.zeros(max_tokens), np.zeros(max_tokens))
+        self.k, self.decay, self.weight, self.prior = slots, decay, weight, prior
+        self.all = _Rates(np.zeros(slots), np.zeros(slots))
 
     def new_state(self) -> _Rates:
         return _Rates(np.zeros(self.k), np.zeros(self.k))
 
-    def observe(self, state: _Rates, drafted: int, accepted: int) -> None:
-        """One verification: ``accepted`` of ``drafted`` drafts (a prefix) were accepted."""
+    def observe(self, state: _Rates, drafted: int, accepted: int, slots=None) -> None:
+        """One verification: the first ``accepted`` of ``drafted`` drafts were accepted; draft j
+        counts in ``slots[j]`` (default: its position j)."""
         if drafted <= 0:
             return
-        reached = min(accepted + 1, drafted)  # positions whose predecessors were all accepted
+        reached = min(accepted + 1, drafted)  # drafts whose predecessors were all accepted
+        slots = np.arange(drafted) if slots is None else np.asarray(slots[:drafted])
         for r, d in ((state, self.decay), (self.all, 0.995)):
             r.tried *= d
             r.accepted *= d
-            r.tried[:reached] += 1.0
-            r.accepted[:accepted] += 1.0
+            np.add.at(r.tried, slots[:reached], 1.0)
+            np.add.at(r.accepted, slots[:accepted], 1.0)
 
     def conditional(self, state: _Rates) -> np.ndarray:
-        """P(draft j accepted | 1..j-1 accepted) for j = 1..k."""
+        """P(accepted | the drafts before it accepted) per slot."""
         w = self.weight
         overall = (self.all.accepted.sum() + w * self.prior) / (self.all.tried.sum() + w)
         batch = (self.all.accepted + w * overall) / (self.all.tried + w)
         return (state.accepted + w * batch) / (state.tried + w)
 
-    def cumulative(self, state: _Rates, n: int) -> np.ndarray:
-        """P(drafts 1..j all accepted) for j = 1..n (n <= k)."""
-        return np.cumprod(self.conditional(state)[:n])
+    def cumulative(self, state: _Rates, n: int, slots=None) -> np.ndarray:
+        """P(drafts 1..j all accepted) for j = 1..n, draft j in ``slots[j]`` (default j)."""
+        cond = self.conditional(state)
+        return np.cumprod(cond[:n] if slots is None else cond[np.asarray(slots[:n])])
 
 
 @dataclass
@@ -282,33 +288,34 @@ class GoodputController:
 
     @staticmethod
     def _best_for_depth(cands, steps, base, plain, v1, cal) -> Choice:
-        """With ``steps`` draft steps: the best set of draft tokens (each costs one verified
-        token, plus its row in a draft step unless free): add tokens by expected tokens per
-        second of cost while that raises the step's goodput (items of one request come in
-        order, since P is non-increasing and the cost per token constant)."""
-        items = []  # (gain, cost, candidate index)
+        """With ``steps`` draft steps: the best set of draft tokens. Each token costs one verified
+        token plus its row in a draft step (unless free); ranked by expected tokens per second of
+        cost, the best set is a prefix of that ranking (a request's tokens come in order, since
+        its P is non-increasing and its cost per token constant), the one with the highest
+        (tokens / seconds) of the whole step."""
+        n = len(cands)
+        width = max((c.max_tokens for c in cands), default=0)
+        gain = np.zeros((n, max(width, 1)))
+        cost = np.zeros(n)
         fixed = 0.0
         for i, c in enumerate(cands):
-            if c.max_tokens <= 0:
-                continue
             depth = c.max_tokens if c.free else min(c.max_tokens, steps)
             if depth <= 0:
                 continue
-            cost = v1 + (0.0 if c.free else c.row_seconds)
+            gain[i, :depth] = c.accept[:depth]
+            cost[i] = v1 + (0.0 if c.free else c.row_seconds)
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
-            for j in range(depth):
-                items.append((cal * float(c.accept[j]), cost, i))
-        tokens = [0] * len(cands)
-        gain, seconds = base, plain + steps * fixed
-        items.sort(key=lambda it: it[0] / max(it[1], 1e-12), reverse=True)
-        for g, cost, i in items:
-            if g * seconds <= cost * gain:  # adding it would not raise gain / seconds
-                break
-            tokens[i] += 1
-            gain += g
-            seconds += cost
-        return Choice(tokens, gain, seconds, plain)
+        rows, cols = np.nonzero(gain)
+        if rows.size == 0:
+            return Choice([0] * n, base, plain, plain)
+        g = cal * gain[rows, cols]
+        order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
+        total = base + np.cumsum(g[order])
+        seconds = plain + steps * fixed + np.cumsum(cost[rows][order])
+        best = int(np.argmax(total / seconds))
+        tokens = np.bincount(rows[order[:best + 1]], minlength=n)
+        return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)
 
     def _probe(self, cands: list[Candidate], best: Choice) -> Choice:
         """One paid draft token for one request (round robin), to re-measure acceptance; the

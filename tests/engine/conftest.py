@@ -6,10 +6,22 @@ from pathlib import Path
 
 import pytest
 
+from vllm_selfspec import config
 from vllm_selfspec.loadtest import ENGINE_KW, cli_args
 from vllm_selfspec.serving import Server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(autouse=True)
+def policies_draft_their_own_lengths(monkeypatch):
+    """The engine tests check drafting mechanisms (parity, sampling, TP, ...). On this CPU the
+    goodput controller rightly turns most self-drafting off, which would leave them nothing to
+    check, so configs built in this process default to ``"goodput": false`` (each policy's own
+    draft lengths). The controller's engine tests set ``"goodput": true`` explicitly; engines in
+    other processes (the served example configs, Ray actors) use the product default unless
+    their config says otherwise."""
+    monkeypatch.setitem(config.COMMON_OPTIONS, "goodput", False)
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,7 @@ class LLMHost:
 def test_selfspec_llm_in_a_ray_actor(ray_local, model_path, vanilla_refs):
     from vllm_selfspec.loadtest import ENGINE_KW, MAX_TOKENS
 
-    spec = {"method": "layerskip", "exit_layer": 24, "num_speculative_tokens": 3}
+    spec = {"method": "layerskip", "exit_layer": 24, "num_speculative_tokens": 3, "goodput": False}
     host = LLMHost.remote(model_path, spec, ENGINE_KW)
     try:
         got = ray.get(host.generate.remote([r["prompt"] for r in vanilla_refs], MAX_TOKENS),

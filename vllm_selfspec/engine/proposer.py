@@ -26,6 +26,7 @@ import torch
 from .. import compat
 from ..config import SelfSpecConfig
 from ..goodput import AcceptanceTracker, Candidate, GoodputController, StepCostModel
+from ..lookup import ContextIndex
 from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
 from .adadecode import DeferredEngine
@@ -127,6 +128,13 @@ class SelfSpecProposer:
         self._rates: dict[str, Any] = {}
         #: the batch-wide choice of draft lengths (None: each policy's own lengths)
         self.controller = GoodputController(self.costs) if self.config.goodput else None
+        #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
+        #: the match lengths of the lookup drafts each request awaits verification of
+        self.lookup = self.config.lookup
+        self._indexes: dict[str, ContextIndex] = {}
+        self.lookup_acceptance = AcceptanceTracker(self.lookup.get("max_ngram", 0) + 1)
+        self._lookup_rates: dict[str, Any] = {}
+        self._lookup_round: dict[str, list[int]] = {}
         self._tp = vllm_config.parallel_config.tensor_parallel_size
         self._last_seconds = 0.0  # selfspec's time in the previous step (its draft steps)
         self.runner = None
@@ -201,6 +209,9 @@ class SelfSpecProposer:
     def on_request_finished(self, req_id: str) -> None:
         self.states.pop(req_id, None)
         self._rates.pop(req_id, None)
+        self._indexes.pop(req_id, None)
+        self._lookup_rates.pop(req_id, None)
+        self._lookup_round.pop(req_id, None)
         self._round_exits.pop(req_id, None)
         self._pending_q.pop(req_id, None)
         if self.deferred is not None:
@@ -247,6 +258,7 @@ class SelfSpecProposer:
             if state is None:
                 state = self.states[req_id] = self.policy.new_state()
                 self._rates[req_id] = self.acceptance.new_state()
+                self._lookup_rates[req_id] = self.lookup_acceptance.new_state()
             entries.append((i, req_id, state))
 
         captured: dict[int, tuple] = {}
@@ -265,7 +277,14 @@ class SelfSpecProposer:
                 sampled = sampled_token_ids[i]
                 n_drafted = len(scheduled.get(req_id, ()))
                 n_accepted = len(sampled) - 1 if n_drafted else 0
-                self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
+                matches = self._lookup_round.pop(req_id, None)
+                if matches is not None:  # lookup drafts: measured per match length
+                    self.lookup_acceptance.observe(self._lookup_rates[req_id], n_drafted,
+                                                   n_accepted, matches)
+                    st.lookup_drafted += n_drafted
+                    st.lookup_accepted += n_accepted
+                else:
+                    self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
                 emitted += len(sampled)
                 st.generated_tokens += len(sampled)
                 st.target_rounds += 1
@@ -288,7 +307,9 @@ class SelfSpecProposer:
                     if req_id in self.deferred.decoding:
                         st.decode_tokens += len(sampled)
                 n = int(num_tokens[i])
-                fb = Feedback(n_drafted, n_accepted, n)
+                # the policy hears of its own drafts only (a lookup round is a plain step to it)
+                fb = (Feedback(n_drafted, n_accepted, n) if matches is None
+                      else Feedback(0, 0, n))
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
                 if round_steps and n_drafted:
@@ -299,21 +320,41 @@ class SelfSpecProposer:
         if self.controller is not None:
             # what the last choice achieved: this step's tokens over its target forward plus
             # the previous step's selfspec time (its draft steps)
-            self.controller.settle(emitted if decode_step else 0, len(entries),
-                                   target_seconds + self._last_seconds)
+            # (a step with a prefill chunk tells nothing about decoding: seconds 0 skips it)
+            self.controller.settle(emitted, len(entries),
+                                   target_seconds + self._last_seconds if decode_step else 0.0)
         if due:
             with st.timer("optimise"):
                 self._optimise(runner, due)
+        lookups: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (tokens, matches)
         with st.timer("policy"):
             for i, req_id, state in entries:
                 n = int(num_tokens[i])
                 decision = self.policy.propose(state)
                 # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
-                g = min(decision.num_tokens, self.k, self.max_model_len - n)
+                room = min(self.k, self.max_model_len - n)
+                g = min(decision.num_tokens, room)
                 active.append((i, decision, max(g, 0)))
-        if self.controller is not None and active:
+                if self.lookup and room > 0:
+                    lookups[i] = self._lookup(ib, i, req_id, n, room)
+        cands = None
+        if active and (self.controller is not None or lookups):
             with st.timer("controller"):
-                active = self._control(ib.req_ids, active)
+                cands = self._candidates(ib.req_ids, active, lookups)
+                if self.controller is not None:
+                    active = self._control(active, cands)
+        for j, (i, decision, g) in enumerate(active):
+            if cands is not None and cands[j].free:  # a lookup round: no draft step
+                if g > 0:
+                    drafts[i], matches = lookups[i][0][:g], lookups[i][1][:g]
+                    self._lookup_round[ib.req_ids[i]] = matches
+                    self._pending_q[ib.req_ids[i]] = self._point_masses(
+                        sampling_metadata, i, drafts[i])
+                    st.draft_length_hist[g] += 1
+                active[j] = (i, decision, 0)
+                self.policy.capped(self.states[ib.req_ids[i]], 0)
+            elif cands is not None and g < cands[j].max_tokens:
+                self.policy.capped(self.states[ib.req_ids[i]], g)
         active = [a for a in active if a[2] > 0]
 
         if active:
@@ -322,8 +363,20 @@ class SelfSpecProposer:
         self._last_seconds = time.perf_counter() - t_start
         return drafts
 
-    def _control(self, req_ids, active):
-        """The goodput controller's draft lengths for the whole batch (rank 0's under TP)."""
+    # ---- how much to draft: context lookup and the goodput controller ------------------------
+    def _lookup(self, ib, i: int, req_id: str, n: int, room: int):
+        """The request's lookup draft (tokens, match lengths), its index brought up to date."""
+        index = self._indexes.get(req_id)
+        if index is None:
+            index = self._indexes[req_id] = ContextIndex(self.lookup["max_ngram"],
+                                                         self.lookup["min_ngram"])
+        if len(index) < n:
+            index.extend(ib.token_ids_cpu[i, len(index):n].tolist())
+        return index.propose(room)
+
+    def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
+        """Per request its option for this step: the self-draft of its policy's decision, or
+        the free lookup draft where that is expected to yield at least as many tokens."""
         coef = self.costs.draft_coefficients()
         cands = []
         for i, decision, g in active:
@@ -332,16 +385,38 @@ class SelfSpecProposer:
             if coef is not None:
                 row, plan = float(coef[2]) * layers, float(coef[0] + coef[1] * layers)
             accept = self.acceptance.cumulative(self._rates[req_ids[i]], g)
-            cands.append(Candidate(g, accept, row, plan))
+            cand = Candidate(g, accept, row, plan)
+            tokens, matches = lookups.get(i, ((), ()))
+            if tokens:
+                la = self.lookup_acceptance.cumulative(self._lookup_rates[req_ids[i]],
+                                                       len(tokens), matches)
+                if g == 0 or la.sum() >= accept.sum():
+                    cand = Candidate(len(tokens), la, free=True)
+            cands.append(cand)
+        return cands
+
+    def _control(self, active, cands):
+        """The goodput controller's draft lengths for the whole batch (rank 0's under TP)."""
         tokens = self.controller.choose(cands).tokens
         if self._tp > 1:  # each rank timed its own steps: draft what rank 0 chose
             tokens = compat.broadcast_from_tp_rank0(tokens)
         st = self.stats
-        st.controller_cut_tokens += sum(g - min(g, t) for (_, _, g), t in zip(active, tokens))
+        st.controller_cut_tokens += sum(c.max_tokens - min(c.max_tokens, t)
+                                        for c, t in zip(cands, tokens))
         st.controller_probes += int(self.controller.last_probe)
-        if not any(tokens):
+        if not any(t and not c.free for c, t in zip(cands, tokens)):
             st.controller_plain_steps += 1
-        return [(i, d, min(g, t)) for (i, d, g), t in zip(active, tokens)]
+        return [(i, d, min(c.max_tokens, t)) for (i, d, _), c, t in zip(active, cands, tokens)]
+
+    def _point_masses(self, sampling_metadata, i: int, tokens: list[int]):
+        """q of lookup drafts for vLLM's rejection sampler: a sampled request's draft token had
+        probability 1 (greedy requests: None)."""
+        if sampling_metadata.all_greedy or float(sampling_metadata.temperature[i]) <= 0:
+            return None
+        q = torch.zeros(len(tokens), self.info.vocab_size, dtype=torch.float32,
+                        device=self.runner.device)
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return q
 
     def _optimise(self, runner, due) -> None:
         """Searching policies (KnapSpec): run their search on the live model, per request."""

@@ -56,6 +56,9 @@ class EngineStats:
     controller_cut_tokens: int = 0
     controller_plain_steps: int = 0
     controller_probes: int = 0
+    # context-lookup drafts (lookup.py) verified, and of those accepted (also in the totals)
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -92,6 +95,13 @@ class EngineStats:
             "controller": {"cut_tokens": self.controller_cut_tokens,
                            "plain_steps": self.controller_plain_steps,
                            "probes": self.controller_probes},
+            "lookup_drafted_tokens": self.lookup_drafted,
+            "lookup_accepted_tokens": self.lookup_accepted,
+            # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
+            # the target (one per request and verification)
+            "token_sources": {"lookup": self.lookup_accepted,
+                              "self_draft": self.accepted_tokens - self.lookup_accepted,
+                              "target": self.generated_tokens - self.accepted_tokens},
             # per draft round: sub-layers the plan skipped (layers past an early exit included)
             "skipped_attn_per_round": self.skipped_attn / self.draft_rounds
             if self.draft_rounds else None,

@@ -143,6 +143,11 @@ class Policy(ABC):
     def propose(self, state: Any) -> DraftDecision:
         """The plan and draft length of the request's next draft round."""
 
+    def capped(self, state: Any, num_tokens: int) -> None:
+        """The engine lets the round just proposed draft only ``num_tokens`` tokens (the goodput
+        controller's cut, or a free lookup draft instead: 0), so a policy that learns from its
+        own rounds does not mistake the cut for its drafts stopping."""
+
     def describe(self) -> dict[str, Any]:
         """Static facts for results and logs."""
         return {"method": self.name}

@@ -297,6 +297,10 @@ class DELPolicy(Policy):
         floor = self.threshold(state, j) if self.dynamic_threshold else None
         return DraftDecision(self.plans[self.capture_layers[j]], d, floor)
 
+    def capped(self, state: DELState, num_tokens: int) -> None:
+        if state.last is not None:
+            state.last = (state.last[0], num_tokens) if num_tokens > 0 else None
+
     def table(self, state: DELState) -> np.ndarray:
         """The objective over (candidate layer, draft cap): TPT when measured, else TPL; both
         count the draft steps the confidence stop wastes."""
