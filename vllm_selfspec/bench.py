@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 #: method name -> speculative config (None: no speculation).
-#: Any other selfspec method (see policies.POLICIES) gets {"method": name}.
+#: Any other selfspec method (see config.METHODS: the policies and "auto") gets {"method": name}.
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "vanilla": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4,
@@ -46,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as the reference")
     parser.add_argument("--prompts", default="humaneval",
                         help='"humaneval" (raw completion), "humaneval-chat" (chat-templated, '
-                             'asked to complete the function), "chat" (built-in chat set) or a '
-                             'JSONL file of {"prompt": ...} / {"messages": [...]} lines')
+                             'asked to complete the function), "chat" (built-in chat set), '
+                             '"passages" (work on given texts, multi-turn dialogues) or a JSONL '
+                             'file of {"prompt": ...} / {"messages": [...]} lines')
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="the engine's max_num_seqs")
@@ -67,10 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
     """Ordered {method: speculative config}, vanilla first, overrides merged in."""
-    from .policies import POLICIES
+    from .config import METHODS
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
-    known = sorted(set(METHOD_DEFAULTS) | set(POLICIES))
+    known = sorted(set(METHOD_DEFAULTS) | set(METHODS))
     try:
         extra = json.loads(overrides) if overrides else {}
     except json.JSONDecodeError as e:
@@ -84,7 +85,7 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
             else name
         if base in METHOD_DEFAULTS:
             configs[name] = None if METHOD_DEFAULTS[base] is None else dict(METHOD_DEFAULTS[base])
-        elif base in POLICIES:
+        elif base in METHODS:
             configs[name] = {"method": base}
         else:
             raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known)} "
@@ -102,12 +103,12 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
     from .compat import model_info_from_hf
+    from .config import METHODS
     from .config import SelfSpecConfig
-    from .policies import POLICIES
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():
-        if cfg is not None and cfg["method"] in POLICIES:
+        if cfg is not None and cfg["method"] in METHODS:
             SelfSpecConfig.load(cfg).validate_for_model(info)
 
 
@@ -129,10 +130,10 @@ def _worker(spec_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     from . import get_stats
-    from .policies import POLICIES
+    from .config import METHODS
 
     cfg, prompts = spec["config"], spec["prompts"]
-    selfspec = cfg is not None and cfg.get("method") in POLICIES
+    selfspec = cfg is not None and cfg.get("method") in METHODS
     llm = LLM(model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg,
               **ENGINE_ARGS)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS),
@@ -182,7 +183,7 @@ def _run_worker(name: str, spec: dict, log_path: Path, tmp: Path) -> dict:
 
 # ----------------------------------------------------------------------------- summaries
 def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
-    from .policies import POLICIES
+    from .config import METHODS
 
     tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
     tps = statistics.median(tps_runs)
@@ -191,7 +192,7 @@ def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
     spec = cfg is not None
     if not spec:
         tpl = tokens / (tokens * num_layers) if tokens else None
-    elif cfg.get("method") in POLICIES:
+    elif cfg.get("method") in METHODS:
         tpl = stats.get("tokens_per_layer") if stats else None
     else:  # a target forward emits 1 + accepted tokens; the draft costs no decoder layers
         forwards = tokens - c["accepted_tokens"]

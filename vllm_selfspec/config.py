@@ -39,6 +39,12 @@ COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens":
 AUTO_DRAFT_VOCAB_SIZE = 8192
 #: vLLM's MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py)
 MAX_SPECULATIVE_TOKENS = 128
+#: ``method: "auto"``: context lookup + the strongest self-drafter this model has what it needs
+#: for (``auto_method``), under the goodput controller; it takes only these options
+AUTO = "auto"
+AUTO_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 6, "goodput": True, "lookup": True}
+#: every method name a selfspec config may give
+METHODS = (*POLICIES, AUTO)
 #: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -82,7 +88,24 @@ def peek_method(spec: Any) -> str | None:
 
 
 def is_selfspec(spec: Any) -> bool:
-    return spec is not None and peek_method(spec) in POLICIES
+    return spec is not None and peek_method(spec) in METHODS
+
+
+def auto_method(model_path: str) -> tuple[str, dict[str, Any]]:
+    """What ``method: "auto"`` runs on this model besides context lookup: the self-drafter
+    measured strongest on the embedded model among those this model has what they need for
+    (docs/benchmarks.md): Cascade with its trained adapters; else DEL through trained AdaDecode
+    heads; else, training-free, LayerSkip exiting two layers before the top (LS(E-γ)'s best)."""
+    from .models import cached_heads
+
+    if cached_heads(model_path, "cascade") is not None:
+        return "cascade", {}
+    if cached_heads(model_path, "adadecode") is not None:
+        return "del", {}
+    path = os.path.join(model_path, "config.json")
+    with open(path, encoding="utf-8") as f:
+        layers = int(json.load(f)["num_hidden_layers"])
+    return "layerskip", {"exit_layer": max(1, layers - 2)}
 
 
 @dataclass(frozen=True)
@@ -100,17 +123,25 @@ class SelfSpecConfig:
     def load(cls, spec: Any) -> "SelfSpecConfig":
         raw = _read(spec)
         method = raw.pop("method", None)
-        if method not in POLICIES:
+        if method not in METHODS:
             raise SelfSpecConfigError(
-                f"unknown selfspec method {method!r}; choose one of {sorted(POLICIES)}")
-        policy = POLICIES[method]
-        allowed = set(COMMON_OPTIONS) | set(policy.options)
+                f"unknown selfspec method {method!r}; choose one of {sorted(METHODS)}")
+        if method == AUTO:
+            unknown = sorted(set(raw) - set(AUTO_OPTIONS))
+            if unknown:
+                raise SelfSpecConfigError(
+                    f"unknown option(s) {unknown} for selfspec method 'auto' (it chooses the "
+                    f"method itself); allowed: {sorted(AUTO_OPTIONS)}")
+            raw = {**AUTO_OPTIONS, **raw}
+        policy = POLICIES.get(method)
+        allowed = set(COMMON_OPTIONS) | set(policy.options if policy else ())
         unknown = sorted(set(raw) - allowed)
         if unknown:
             raise SelfSpecConfigError(
                 f"unknown option(s) {unknown} for selfspec method {method!r}; "
                 f"allowed: {sorted(allowed)}")
-        merged = {**COMMON_OPTIONS, **policy.common_defaults, **policy.options, **raw}
+        merged = {**COMMON_OPTIONS, **(policy.common_defaults if policy else {}),
+                  **(policy.options if policy else {}), **raw}
         k = merged.pop("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SelfSpecConfigError(
@@ -135,7 +166,7 @@ class SelfSpecConfig:
             lookup = check_lookup(merged.pop("lookup"))
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
-        if lookup and (policy.deferred or merged.get("lossy")):
+        if lookup and policy and (policy.deferred or merged.get("lossy")):
             raise SelfSpecConfigError(
                 f"lookup cannot be combined with {method}"
                 f"{' (lossy)' if merged.get('lossy') else ''} yet: "
@@ -156,6 +187,8 @@ class SelfSpecConfig:
             raise SelfSpecConfigError(
                 f"selfspec does not support the architecture {model.architecture!r}; "
                 f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+        if self.method == AUTO:  # the concrete method is validated once resolved
+            return
         try:
             POLICIES[self.method].validate(self.options, model)
         except ValueError as e:
@@ -183,7 +216,16 @@ class SelfSpecConfig:
                     f"{base[key]}, this model has {getattr(model, key)}")
 
     def resolved(self, model_path: str) -> "SelfSpecConfig":
-        """Machine-dependent defaults made concrete once, in the front end ("auto" paths)."""
+        """Machine-dependent defaults made concrete once, in the front end ("auto" paths, and
+        ``method: "auto"``'s concrete method)."""
+        if self.method == AUTO:
+            try:
+                method, options = auto_method(model_path)
+            except (OSError, ValueError, KeyError) as e:
+                raise SelfSpecConfigError(f"auto: cannot read the model's config: {e}") from e
+            return SelfSpecConfig.load({
+                "method": method, **options, "num_speculative_tokens": self.num_speculative_tokens,
+                "goodput": self.goodput, "lookup": self.lookup or False}).resolved(model_path)
         try:
             options = POLICIES[self.method].resolve(dict(self.options), model_path)
         except ValueError as e:

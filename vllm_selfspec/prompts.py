@@ -9,6 +9,10 @@ from pathlib import Path
 HUMANEVAL_FILE = "HumanEval.jsonl.gz"
 #: 24 everyday chat requests written for this project (chat-templated with the model's tokenizer)
 CHAT_FILE = Path(__file__).parent / "data" / "chat.jsonl"
+#: 16 requests unlike both HumanEval and the chat set, written for the goodput work: work on a
+#: given text (summaries, questions on a passage, rewriting, translation, extraction) and
+#: multi-turn dialogues; never used to train heads or tune anything
+PASSAGES_FILE = Path(__file__).parent / "data" / "passages.jsonl"
 
 
 def humaneval_path() -> Path:
@@ -81,7 +85,8 @@ def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> l
     """``source`` "humaneval" -> the first ``num_prompts`` HumanEval prompts (raw completion);
     "humaneval-chat" -> the same, chat-templated with an instruction to complete the function
     (how an instruct model is asked; ``quality`` then scores the code block); "chat" -> the built-in
-    chat set (``data/chat.jsonl``); otherwise a JSONL
+    chat set (``data/chat.jsonl``); "passages" -> work on given texts and multi-turn dialogues
+    (``data/passages.jsonl``); otherwise a JSONL
     file whose lines are ``{"prompt": str}`` or ``{"messages": [...]}`` (chat-templated with the
     tokenizer at ``tokenizer_path``). ``num_prompts`` None means all of them."""
     if num_prompts is not None and num_prompts < 1:
@@ -92,4 +97,6 @@ def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> l
         return _humaneval_chat(num_prompts, tokenizer_path)
     if source == "chat":
         source = str(CHAT_FILE)
+    elif source == "passages":
+        source = str(PASSAGES_FILE)
     return _jsonl(source, num_prompts, tokenizer_path)

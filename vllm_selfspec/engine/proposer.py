@@ -376,8 +376,12 @@ class SelfSpecProposer:
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
         """Per request its option for this step: the self-draft of its policy's decision, or
-        the free lookup draft where that is expected to yield at least as many tokens."""
+        the free lookup draft where its first token is expected to yield at least as many tokens
+        per second of cost (a lookup token costs its verification only; a self-drafted one also
+        its share of a draft step: counted whole, as a lone drafting row pays it)."""
         coef = self.costs.draft_coefficients()
+        line = self.costs.target_line()
+        v1 = line[1] if line is not None else 0.0
         cands = []
         for i, decision, g in active:
             layers = decision.plan.layer_cost
@@ -390,7 +394,7 @@ class SelfSpecProposer:
             if tokens:
                 la = self.lookup_acceptance.cumulative(self._lookup_rates[req_ids[i]],
                                                        len(tokens), matches)
-                if g == 0 or la.sum() >= accept.sum():
+                if g == 0 or la[0] * (v1 + row + plan) >= accept[0] * v1:
                     cand = Candidate(len(tokens), la, free=True)
             cands.append(cand)
         return cands
