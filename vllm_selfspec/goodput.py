@@ -216,7 +216,40 @@ class Choice:
     expected_tokens: float  # expected emitted tokens of the next step
     expected_seconds: float  # its predicted seconds (draft steps + target forward)
     plain_seconds: float  # the plain step's predicted seconds
-    probe: bool = False
+    probe: bool = False  # a probe or a trial after a back-off
+    kind: str = ""  # "paid" (some self-drafts), "free" (lookup drafts only), "" (none)
+
+
+@dataclass
+class SafetyNet:
+    """What one kind of speculative step achieved against plain decoding at the same batch size
+    (running mean of the ratio of tokens per second; 1: as good as plain), and the back-off
+    while it is below 1: that kind of draft then runs only in a trial every ``interval`` steps
+    (doubling while trials fail), whose outcome alone decides what follows."""
+
+    interval: int
+    achieved: float = 1.0
+    idle: int = 0  # steps since this kind last ran
+    #: predicted vs achieved extra tokens of this kind's steps (decayed sums): calibrates the
+    #: acceptance estimates against what really happens (e.g. a policy's confidence stops)
+    pred_extra: float = 0.0
+    real_extra: float = 0.0
+
+    def calibration(self) -> float:
+        """Achieved/predicted extra tokens, in [0.25, 1.25] (1 until there is evidence)."""
+        if self.pred_extra < 2.0:
+            return 1.0
+        return min(1.25, max(0.25, self.real_extra / self.pred_extra))
+
+    @property
+    def due(self) -> bool:
+        """A trial (or probe) is due this step."""
+        return self.idle + 1 >= self.interval
+
+    @property
+    def open(self) -> bool:
+        """This kind of draft may run this step."""
+        return self.achieved >= 1.0 or self.due
 
 
 @dataclass
@@ -229,30 +262,27 @@ class GoodputController:
     #: steps without paid drafts after which one request probes (doubles while probes fail)
     probe_every: int = 16
     max_probe_every: int = 512
-    #: speculative steps' achieved/plain goodput, running mean (1: as good as plain)
-    achieved: float = 1.0
     achieved_decay: float = 0.9
-    #: predicted vs achieved extra tokens of speculative steps (decayed sums), calibrates the
-    #: acceptance estimates against what the policies' early stops really leave
-    _pred_extra: float = 0.0
-    _real_extra: float = 0.0
-    _idle: int = 0
-    _interval: int = field(default=0)
     _probe_turn: int = 0
     _pending: Choice | None = None
     #: whether the last choice was a probe or a trial after a back-off (for the stats)
     last_probe: bool = False
 
     def __post_init__(self) -> None:
-        self._interval = self.probe_every
+        #: steps with self-drafts (paid) and steps with lookup drafts only (free) are judged apart:
+        #: a failing self-drafter must not stop free drafts, nor the other way round
+        self.nets = {"paid": SafetyNet(self.probe_every), "free": SafetyNet(self.probe_every)}
+
+    @property
+    def achieved(self) -> float:
+        """The self-drafting steps' achieved/plain goodput (running mean)."""
+        return self.nets["paid"].achieved
+
+    def calibration(self) -> float:
+        """The self-drafting steps' achieved/predicted extra tokens."""
+        return self.nets["paid"].calibration()
 
     # ---- the choice ------------------------------------------------------------------------
-    def calibration(self) -> float:
-        """Achieved/predicted extra tokens of past speculative steps, in [0.25, 1.25]."""
-        if self._pred_extra < 2.0:
-            return 1.0
-        return min(1.25, max(0.25, self._real_extra / self._pred_extra))
-
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
         """Draft lengths maximising expected emitted tokens / predicted seconds of the next step
         (``tokens``: scheduled tokens of the step without drafts, default one per candidate)."""
@@ -266,25 +296,36 @@ class GoodputController:
                           float("nan"))
         v0, v1 = line
         plain = v0 + v1 * base
+        paid, free = self.nets["paid"], self.nets["free"]
+        # a kind of draft in back-off is left out of the search, except in its trial steps
+        allowed = [c if (free.open if c.free else paid.open) else
+                   Candidate(0, c.accept, free=c.free) for c in cands]
         best = Choice([0] * n, float(n), plain, plain)
-        due = self._idle >= self._interval
-        if self.achieved >= 1.0 or due:  # in back-off only a trial step may speculate
-            best_rate = n / plain * (1.0 + self.margin)
-            depth = max((c.max_tokens for c in cands if not c.free), default=0)
-            cal = self.calibration()
-            for steps in range(depth + 1):
-                choice = self._best_for_depth(cands, steps, base, plain, v1, cal)
-                rate = choice.expected_tokens / choice.expected_seconds
-                if rate > best_rate:
-                    best, best_rate = choice, rate
-            best.probe = due and self.achieved < 1.0
-        paid = any(k and not c.free for k, c in zip(best.tokens, cands))
-        self._idle = 0 if paid else self._idle + 1
-        if not paid and due:
-            best = self._probe(cands, best)
-        self._pending = best if any(best.tokens) else None
+        best_rate = n / plain * (1.0 + self.margin)
+        depth = max((c.max_tokens for c in allowed if not c.free), default=0)
+        cal = {True: free.calibration(), False: paid.calibration()}
+        for steps in range(depth + 1):
+            choice = self._best_for_depth(allowed, steps, base, plain, v1, cal)
+            rate = choice.expected_tokens / choice.expected_seconds
+            if rate > best_rate:
+                best, best_rate = choice, rate
+        best.kind = self._kind(cands, best.tokens)
+        net = self.nets.get(best.kind)
+        best.probe = net is not None and net.achieved < 1.0  # a trial after a back-off
+        if best.kind != "paid" and paid.due:
+            best = self._probe(cands, best)  # self-drafts have not run for a while: probe
+        for kind, net in self.nets.items():
+            net.idle = 0 if best.kind == kind else net.idle + 1
+        self._pending = best if best.kind else None
         self.last_probe = best.probe
         return best
+
+    @staticmethod
+    def _kind(cands: list[Candidate], tokens: list[int]) -> str:
+        drafted = [c for c, t in zip(cands, tokens) if t]
+        if not drafted:
+            return ""
+        return "free" if all(c.free for c in drafted) else "paid"
 
     @staticmethod
     def _best_for_depth(cands, steps, base, plain, v1, cal) -> Choice:
@@ -292,7 +333,7 @@ class GoodputController:
         token plus its row in a draft step (unless free); ranked by expected tokens per second of
         cost, the best set is a prefix of that ranking (a request's tokens come in order, since
         its P is non-increasing and its cost per token constant), the one with the highest
-        (tokens / seconds) of the whole step."""
+        (tokens / seconds) of the whole step. ``cal[free]`` scales each kind's estimates."""
         n = len(cands)
         width = max((c.max_tokens for c in cands), default=0)
         gain = np.zeros((n, max(width, 1)))
@@ -302,14 +343,14 @@ class GoodputController:
             depth = c.max_tokens if c.free else min(c.max_tokens, steps)
             if depth <= 0:
                 continue
-            gain[i, :depth] = c.accept[:depth]
+            gain[i, :depth] = cal[c.free] * c.accept[:depth]
             cost[i] = v1 + (0.0 if c.free else c.row_seconds)
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
         rows, cols = np.nonzero(gain)
         if rows.size == 0:
             return Choice([0] * n, base, plain, plain)
-        g = cal * gain[rows, cols]
+        g = gain[rows, cols]
         order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
         total = base + np.cumsum(g[order])
         seconds = plain + steps * fixed + np.cumsum(cost[rows][order])
@@ -318,19 +359,21 @@ class GoodputController:
         return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)
 
     def _probe(self, cands: list[Candidate], best: Choice) -> Choice:
-        """One paid draft token for one request (round robin), to re-measure acceptance; the
-        next probe comes twice as late unless a speculative step pays before it."""
-        paid = [i for i, c in enumerate(cands) if c.max_tokens and not c.free]
-        self._idle = 0
-        self._interval = min(2 * self._interval, self.max_probe_every)
-        if not paid:
+        """One self-draft token for one request (round robin), to re-measure acceptance; the
+        next probe comes twice as late unless self-drafting pays before it."""
+        paid = self.nets["paid"]
+        paid.interval = min(2 * paid.interval, self.max_probe_every)
+        options = [i for i, c in enumerate(cands) if c.max_tokens and not c.free]
+        if not options:
+            paid.idle = 0
             return best
-        i = paid[self._probe_turn % len(paid)]
+        i = options[self._probe_turn % len(options)]
         self._probe_turn += 1
         tokens = list(best.tokens)
-        tokens[i] = max(tokens[i], 1)
-        expected = best.expected_tokens + float(cands[i].accept[0]) * (tokens[i] > best.tokens[i])
-        return Choice(tokens, expected, float("nan"), best.plain_seconds, probe=True)
+        tokens[i] = 1
+        expected = best.expected_tokens + float(cands[i].accept[0])
+        return Choice(tokens, expected, float("nan"), best.plain_seconds, probe=True,
+                      kind="paid")
 
     # ---- what happened ---------------------------------------------------------------------
     def settle(self, emitted: int, requests: int, seconds: float) -> None:
@@ -343,17 +386,19 @@ class GoodputController:
         if plain is None:
             return
         ratio = (emitted / seconds) / (requests / plain)
+        net = self.nets[choice.kind]
         if choice.probe:  # a trial after a back-off: its outcome alone decides what follows
-            self.achieved = ratio
+            net.achieved = ratio
         else:
             d = self.achieved_decay
-            self.achieved = d * self.achieved + (1 - d) * ratio
-        if self.achieved >= 1.0:
-            self._interval = self.probe_every
+            net.achieved = d * net.achieved + (1 - d) * ratio
+        if net.achieved >= 1.0:
+            net.interval = self.probe_every
+        elif not choice.probe:
+            net.interval = max(net.interval, self.probe_every)
         if not math.isnan(choice.expected_tokens):
-            self._pred_extra = 0.95 * self._pred_extra + choice.expected_tokens - len(
-                choice.tokens)
-            self._real_extra = 0.95 * self._real_extra + emitted - requests
+            net.pred_extra = 0.95 * net.pred_extra + choice.expected_tokens - len(choice.tokens)
+            net.real_extra = 0.95 * net.real_extra + emitted - requests
 
-    def state(self) -> tuple:
-        return (self.achieved, self.calibration())
+    def state(self) -> dict:
+        return {kind: net.achieved for kind, net in self.nets.items()}

@@ -155,3 +155,32 @@ def test_adadecode_sampling_at_temperature_0_6(tiny_model, tmp_path):
     stats = _sampled_like_vanilla(tiny_model, spec, "AdaDecode")
     assert stats["drafted_tokens"] > 100, "AdaDecode rarely drafted: the test would be weak"
     assert stats["accepted_tokens"] < stats["drafted_tokens"]
+
+
+#: context lookup on the tiny model: one repeated token is a match, so lookup drafts are frequent
+#: and share steps with self-drafts (which the rule takes when lookup has no match)
+LOOKUP_SPEC = {**SPEC, "lookup": {"min_ngram": 1, "max_ngram": 2}}
+
+
+def test_sampling_with_lookup_drafts_mixed_in(tiny_model, vanilla):
+    """Lookup drafts are point masses: they reach the rejection sampler as one-hot q (accept
+    with p(x)), beside self-drafts' softmax q in the same step."""
+    with engine(tiny_model, speculative_config=LOOKUP_SPEC, **KW) as llm:
+        sampled, greedy = _sample(llm)
+        stats = vllm_selfspec.get_stats(llm)
+    lookup = stats["lookup_drafted_tokens"]
+    assert lookup > 100 and stats["drafted_tokens"] - lookup > 100, stats["token_sources"]
+    assert greedy == vanilla[1], "greedy requests in a sampled batch changed"
+    p = _min_pvalue(vanilla[0], sampled)
+    assert p > ALPHA, f"lookup drafts changed the sampling distribution (p={p:.2e})"
+
+
+def test_lookup_drafts_without_their_point_masses_are_detected(tiny_model, vanilla, monkeypatch):
+    """Negative control: a lookup draft handed over with no q (read as zeros beside the
+    self-drafts' q) is accepted unconditionally, which the chi-square test must catch."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # patch reaches the worker
+    monkeypatch.setattr(SelfSpecProposer, "_point_masses", lambda self, *a: None)
+    with engine(tiny_model, speculative_config=LOOKUP_SPEC, **KW) as llm:
+        sampled, _ = _sample(llm)
+    p = _min_pvalue(vanilla[0], sampled)
+    assert p < ALPHA, f"lookup drafts without q went undetected (p={p:.2e})"

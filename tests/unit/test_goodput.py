@@ -218,3 +218,31 @@ def test_simulated_batches_never_lose_to_plain_decoding():
             assert rate >= 0.97 * plain, (batch, p, rate / plain)
     rate, plain = run(1, 0.9)
     assert rate > 1.3 * plain
+
+
+def test_a_failing_self_drafter_does_not_stop_free_drafts():
+    costs = measured()
+    ctl = GoodputController(costs)
+    plain = costs.target_seconds(2)
+    self_draft, lookup = cand(0.9, 4, costs), Candidate(4, np.cumprod([0.8] * 4), free=True)
+    for _ in range(40):  # self-drafting steps measure at half of plain's rate
+        choice = ctl.choose([self_draft, Candidate(0, np.zeros(0))])
+        if any(choice.tokens):
+            ctl.settle(emitted=2, requests=2, seconds=2 * plain)
+    assert ctl.nets["paid"].achieved < 1.0
+    choice = ctl.choose([self_draft, lookup])
+    assert choice.tokens[1] > 0 and choice.kind == "free"
+
+
+def test_free_drafts_back_off_when_they_measure_slower_than_plain():
+    costs = measured()
+    ctl = GoodputController(costs, probe_every=10**9)  # no self-draft probes in this test
+    lookup = Candidate(4, np.cumprod([0.8] * 4), free=True)
+    plain = costs.target_seconds(1)
+    ran = 0
+    for _ in range(300):
+        choice = ctl.choose([lookup])
+        if any(choice.tokens):
+            ran += 1
+            ctl.settle(emitted=1, requests=1, seconds=1.5 * plain)  # nothing ever accepted
+    assert ctl.nets["free"].achieved < 1.0 and ran < 60

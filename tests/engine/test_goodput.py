@@ -1,0 +1,76 @@
+"""The goodput controller and context lookup in a real engine: greedy parity with vanilla vLLM
+(prefix caching, chunked prefill, batch 1 and 8) while they draft, and what they report.
+
+``auto`` (lookup + LayerSkip on this model with no trained heads cached, under the controller)
+drafts from the context where it repeats, which code does; the canary LayerSkip config under the
+controller drafts only while the controller measures (its warm-up and probes) and is cut after.
+"""
+from __future__ import annotations
+
+import pytest
+from selfspec_testing import engine, token_ids
+from vllm import SamplingParams
+
+import vllm_selfspec
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Summarise the following text.\n" + " ".join(
+        f"Paragraph {i}: the river rises in the hills and flows to the sea." for i in range(20)),
+    "The capital of France is",
+]
+SETTINGS = dict(max_num_seqs=8, enable_prefix_caching=True, enable_chunked_prefill=True,
+                max_num_batched_tokens=128)
+MAX_TOKENS = 48
+
+
+def _run(llm) -> dict[str, list[list[int]]]:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    bs1 = [token_ids(llm.generate([p], sp, use_tqdm=False))[0] for p in PROMPTS]
+    bs8 = token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
+    return {"bs1": bs1, "bs8": bs8}
+
+
+@pytest.fixture(scope="module")
+def vanilla(model_path):
+    with engine(model_path, **SETTINGS) as llm:
+        return _run(llm)
+
+
+def _check_parity(vanilla, out, name):
+    for bs in ("bs1", "bs8"):
+        for i, (want, got) in enumerate(zip(vanilla[bs], out[bs])):
+            assert got == want, f"{name} {bs} prompt {i}: tokens differ from vanilla vLLM"
+
+
+def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
+    with engine(model_path, speculative_config={"method": "auto"}, **SETTINGS) as llm:
+        out = _run(llm)
+        stats = vllm_selfspec.get_stats(llm)
+    _check_parity(vanilla, out, "auto")
+    assert stats["policy"]["method"] == "layerskip"  # no trained heads are cached in the tests
+    src = stats["token_sources"]
+    assert stats["lookup_drafted_tokens"] > 0 and src["lookup"] > 0, src
+    assert src["lookup"] + src["self_draft"] + src["target"] == stats["generated_tokens"]
+    assert stats["costs"]["target_forward_s"] is not None
+
+
+def test_controller_cuts_self_drafts_and_keeps_parity(model_path, vanilla):
+    """The full-model canary drafts at the cost of whole steps: the controller lets it draft
+    while it measures, then cuts it; every draft it let through is accepted."""
+    spec = {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3,
+            "goodput": True}
+    with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
+        out = _run(llm)
+        stats = vllm_selfspec.get_stats(llm)
+    _check_parity(vanilla, out, "canary under the controller")
+    assert stats["drafted_tokens"] > 0, "the controller never let the drafter run"
+    assert stats["accepted_tokens"] == stats["drafted_tokens"]
+    ctl = stats["controller"]
+    assert ctl["cut_tokens"] > 0 and ctl["plain_steps"] > 0, ctl
+    assert stats["time_s"]["controller"] > 0
