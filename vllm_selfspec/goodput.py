@@ -83,9 +83,11 @@ class StepCostModel:
 
     #: an extra verified token costs at least this share of a plain step's seconds per token
     MIN_SLOPE_SHARE = 0.05
-    #: until the data separates slope from intercept, assume this share (conservative on a GPU,
-    #: where verification is nearly free; measured 4-12 ms of ~60 ms per token on this CPU)
+    #: before the data separates slope from intercept, assume this share (conservative on a GPU,
+    #: where verification is nearly free; measured 1-4 ms of a ~20 ms step on this CPU)
     PRIOR_SLOPE_SHARE = 0.25
+    #: the prior slope weighs as much as this many squared token-count deviations of data
+    PRIOR_WEIGHT = 4.0
 
     def __init__(self) -> None:
         self.target = OnlineFit(2)
@@ -114,12 +116,14 @@ class StepCostModel:
         if self._mean_tokens <= 0:
             return None
         per_token = self._mean_seconds / self._mean_tokens  # of the steps seen
+        prior = self.PRIOR_SLOPE_SHARE * per_token
         coef = self.target.coefficients()
-        spread = self._spread()
-        if coef is None or spread < 1.0:  # one token count seen: the slope is not identified
-            slope = self.PRIOR_SLOPE_SHARE * per_token
-        else:
-            slope = max(float(coef[1]), self.MIN_SLOPE_SHARE * per_token)
+        # the fitted slope weighs by how much the token counts seen vary (the sum of squared
+        # deviations); with one count seen it is not identified and the prior stands
+        info = self._spread() ** 2 * self.target.count
+        slope = prior if coef is None else (
+            (self.PRIOR_WEIGHT * prior + info * float(coef[1])) / (self.PRIOR_WEIGHT + info))
+        slope = max(slope, self.MIN_SLOPE_SHARE * per_token)
         mean_x = self._mean_tokens / self.target.count
         mean_y = self._mean_seconds / self.target.count
         return max(0.0, mean_y - slope * mean_x), slope
@@ -222,34 +226,79 @@ class Choice:
 
 @dataclass
 class SafetyNet:
-    """What one kind of speculative step achieved against plain decoding at the same batch size
-    (running mean of the ratio of tokens per second; 1: as good as plain), and the back-off
-    while it is below 1: that kind of draft then runs only in a trial every ``interval`` steps
-    (doubling while trials fail), whose outcome alone decides what follows."""
+    """The measured record of one kind of speculative step (self-drafts or lookup drafts only):
 
-    interval: int
-    achieved: float = 1.0
+    * calibration: achieved/predicted extra tokens and extra seconds (beyond the plain step's),
+      as decayed sums; the controller scales its next predictions by them, so an over-optimistic
+      acceptance estimate (a policy's confidence stop, say) or an unmodelled cost corrects itself;
+    * the guard: these steps' tokens per second against plain decoding's at the same batch
+      sizes (a ratio of decayed sums). Once it has seen ``MIN_STEPS`` and is below 1, this kind of
+      draft pauses for ``pause`` steps (doubling each time, up to a cap) and then starts afresh.
+
+    The sums decay every engine step, whether this kind ran or not, so old evidence fades: a
+    kind judged on a workload that has since changed gets tried again.
+    """
+
+    MIN_STEPS = 12.0
+    DECAY = 0.97
+    pause: int
+    max_pause: int
+    paused: int = 0  # steps left in the current pause
     idle: int = 0  # steps since this kind last ran
-    #: predicted vs achieved extra tokens of this kind's steps (decayed sums): calibrates the
-    #: acceptance estimates against what really happens (e.g. a policy's confidence stops)
-    pred_extra: float = 0.0
+    steps: float = 0.0  # decayed count of this kind's steps
+    tokens: float = 0.0  # their emitted tokens
+    plain_tokens: float = 0.0  # what plain decoding would have emitted in their seconds
+    pred_extra: float = 0.0  # predicted / achieved extra tokens (over one per request)
     real_extra: float = 0.0
+    pred_cost: float = 0.0  # predicted / achieved extra seconds (over the plain step's)
+    real_cost: float = 0.0
 
-    def calibration(self) -> float:
-        """Achieved/predicted extra tokens, in [0.25, 1.25] (1 until there is evidence)."""
+    @property
+    def achieved(self) -> float:
+        """Tokens per second of this kind's steps over plain decoding's (1 with no evidence)."""
+        return self.tokens / self.plain_tokens if self.plain_tokens > 0 else 1.0
+
+    @property
+    def open(self) -> bool:
+        return self.paused <= 0
+
+    def token_calibration(self) -> float:
         if self.pred_extra < 2.0:
             return 1.0
         return min(1.25, max(0.25, self.real_extra / self.pred_extra))
 
-    @property
-    def due(self) -> bool:
-        """A trial (or probe) is due this step."""
-        return self.idle + 1 >= self.interval
+    def time_calibration(self) -> float:
+        if self.steps < self.MIN_STEPS or self.pred_cost <= 0:
+            return 1.0
+        return min(4.0, max(0.8, self.real_cost / self.pred_cost))
 
-    @property
-    def open(self) -> bool:
-        """This kind of draft may run this step."""
-        return self.achieved >= 1.0 or self.due
+    def record(self, choice: "Choice", emitted: int, requests: int, seconds: float,
+               plain: float) -> None:
+        self.steps += 1.0
+        self.tokens += emitted
+        self.plain_tokens += requests * seconds / plain
+        if not math.isnan(choice.expected_tokens):
+            self.pred_extra += choice.expected_tokens - requests
+            self.real_extra += emitted - requests
+        if not math.isnan(choice.expected_seconds):
+            self.pred_cost += choice.expected_seconds - plain
+            self.real_cost += max(0.0, seconds - plain)
+        if self.steps >= self.MIN_STEPS and self.achieved < 1.0:  # measured slower than plain
+            self.paused = self.pause
+            self.pause = min(2 * self.pause, self.max_pause)
+            self.steps = self.tokens = self.plain_tokens = 0.0  # the next try starts afresh
+            self.pred_extra = self.real_extra = self.pred_cost = self.real_cost = 0.0
+        elif self.steps >= self.MIN_STEPS and self.achieved >= 1.0:
+            self.pause = max(self.pause // 2, 1)
+
+    def tick(self, ran: bool) -> None:
+        """One engine step passed (this kind of draft ran in it or not)."""
+        self.idle = 0 if ran else self.idle + 1
+        if self.paused > 0:
+            self.paused -= 1
+        for name in ("steps", "tokens", "plain_tokens", "pred_extra", "real_extra",
+                     "pred_cost", "real_cost"):
+            setattr(self, name, self.DECAY * getattr(self, name))
 
 
 @dataclass
@@ -259,28 +308,32 @@ class GoodputController:
     costs: StepCostModel
     #: speculation must beat plain decoding's predicted goodput by this share to run
     margin: float = 0.03
-    #: steps without paid drafts after which one request probes (doubles while probes fail)
+    #: steps without self-drafts after which one request probes (doubles while they do not pay)
     probe_every: int = 16
     max_probe_every: int = 512
-    achieved_decay: float = 0.9
+    #: a kind of draft measured slower than plain pauses this long first (then doubling)
+    pause: int = 32
+    max_pause: int = 1024
     _probe_turn: int = 0
-    _pending: Choice | None = None
-    #: whether the last choice was a probe or a trial after a back-off (for the stats)
+    _probe_interval: int = 0
+    _pending: "Choice | None" = None
+    #: whether the last choice was a probe (for the stats)
     last_probe: bool = False
 
     def __post_init__(self) -> None:
-        #: steps with self-drafts (paid) and steps with lookup drafts only (free) are judged apart:
-        #: a failing self-drafter must not stop free drafts, nor the other way round
-        self.nets = {"paid": SafetyNet(self.probe_every), "free": SafetyNet(self.probe_every)}
+        #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
+        #: self-drafter must not stop free drafts, nor the other way round
+        self.nets = {kind: SafetyNet(self.pause, self.max_pause) for kind in ("paid", "free")}
+        self._probe_interval = self.probe_every
 
     @property
     def achieved(self) -> float:
-        """The self-drafting steps' achieved/plain goodput (running mean)."""
+        """The self-drafting steps' tokens per second over plain decoding's."""
         return self.nets["paid"].achieved
 
     def calibration(self) -> float:
         """The self-drafting steps' achieved/predicted extra tokens."""
-        return self.nets["paid"].calibration()
+        return self.nets["paid"].token_calibration()
 
     # ---- the choice ------------------------------------------------------------------------
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
@@ -297,25 +350,31 @@ class GoodputController:
         v0, v1 = line
         plain = v0 + v1 * base
         paid, free = self.nets["paid"], self.nets["free"]
-        # a kind of draft in back-off is left out of the search, except in its trial steps
-        allowed = [c if (free.open if c.free else paid.open) else
-                   Candidate(0, c.accept, free=c.free) for c in cands]
+        # a paused kind of draft is left out; each kind's estimates are scaled by its record
+        scaled = []
+        for c in cands:
+            net = free if c.free else paid
+            if not net.open or c.max_tokens <= 0:
+                scaled.append(Candidate(0, c.accept, free=c.free))
+                continue
+            t = net.time_calibration()
+            scaled.append(Candidate(c.max_tokens, net.token_calibration() * c.accept,
+                                    t * c.row_seconds, t * c.plan_seconds, c.free))
         best = Choice([0] * n, float(n), plain, plain)
         best_rate = n / plain * (1.0 + self.margin)
-        depth = max((c.max_tokens for c in allowed if not c.free), default=0)
-        cal = {True: free.calibration(), False: paid.calibration()}
+        depth = max((c.max_tokens for c in scaled if not c.free), default=0)
         for steps in range(depth + 1):
-            choice = self._best_for_depth(allowed, steps, base, plain, v1, cal)
+            choice = self._best_for_depth(scaled, steps, base, plain, v1)
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate:
                 best, best_rate = choice, rate
         best.kind = self._kind(cands, best.tokens)
-        net = self.nets.get(best.kind)
-        best.probe = net is not None and net.achieved < 1.0  # a trial after a back-off
-        if best.kind != "paid" and paid.due:
+        if best.kind != "paid" and paid.open and paid.idle + 1 >= self._probe_interval:
             best = self._probe(cands, best)  # self-drafts have not run for a while: probe
+        elif best.kind == "paid" and not best.probe:
+            self._probe_interval = self.probe_every
         for kind, net in self.nets.items():
-            net.idle = 0 if best.kind == kind else net.idle + 1
+            net.tick(best.kind == kind)
         self._pending = best if best.kind else None
         self.last_probe = best.probe
         return best
@@ -328,12 +387,12 @@ class GoodputController:
         return "free" if all(c.free for c in drafted) else "paid"
 
     @staticmethod
-    def _best_for_depth(cands, steps, base, plain, v1, cal) -> Choice:
+    def _best_for_depth(cands, steps, base, plain, v1) -> Choice:
         """With ``steps`` draft steps: the best set of draft tokens. Each token costs one verified
         token plus its row in a draft step (unless free); ranked by expected tokens per second of
         cost, the best set is a prefix of that ranking (a request's tokens come in order, since
         its P is non-increasing and its cost per token constant), the one with the highest
-        (tokens / seconds) of the whole step. ``cal[free]`` scales each kind's estimates."""
+        (tokens / seconds) of the whole step."""
         n = len(cands)
         width = max((c.max_tokens for c in cands), default=0)
         gain = np.zeros((n, max(width, 1)))
@@ -343,7 +402,7 @@ class GoodputController:
             depth = c.max_tokens if c.free else min(c.max_tokens, steps)
             if depth <= 0:
                 continue
-            gain[i, :depth] = cal[c.free] * c.accept[:depth]
+            gain[i, :depth] = c.accept[:depth]
             cost[i] = v1 + (0.0 if c.free else c.row_seconds)
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
@@ -360,12 +419,10 @@ class GoodputController:
 
     def _probe(self, cands: list[Candidate], best: Choice) -> Choice:
         """One self-draft token for one request (round robin), to re-measure acceptance; the
-        next probe comes twice as late unless self-drafting pays before it."""
-        paid = self.nets["paid"]
-        paid.interval = min(2 * paid.interval, self.max_probe_every)
+        next probe comes twice as late unless self-drafting is chosen before it."""
+        self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
         options = [i for i, c in enumerate(cands) if c.max_tokens and not c.free]
         if not options:
-            paid.idle = 0
             return best
         i = options[self._probe_turn % len(options)]
         self._probe_turn += 1
@@ -383,22 +440,10 @@ class GoodputController:
         if choice is None or seconds <= 0 or requests <= 0:
             return
         plain = self.costs.target_seconds(requests)
-        if plain is None:
-            return
-        ratio = (emitted / seconds) / (requests / plain)
-        net = self.nets[choice.kind]
-        if choice.probe:  # a trial after a back-off: its outcome alone decides what follows
-            net.achieved = ratio
-        else:
-            d = self.achieved_decay
-            net.achieved = d * net.achieved + (1 - d) * ratio
-        if net.achieved >= 1.0:
-            net.interval = self.probe_every
-        elif not choice.probe:
-            net.interval = max(net.interval, self.probe_every)
-        if not math.isnan(choice.expected_tokens):
-            net.pred_extra = 0.95 * net.pred_extra + choice.expected_tokens - len(choice.tokens)
-            net.real_extra = 0.95 * net.real_extra + emitted - requests
+        if plain is not None and plain > 0:
+            self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
 
     def state(self) -> dict:
-        return {kind: net.achieved for kind, net in self.nets.items()}
+        return {kind: {"achieved": net.achieved, "token_calibration": net.token_calibration(),
+                       "time_calibration": net.time_calibration(), "paused": net.paused}
+                for kind, net in self.nets.items()}

@@ -33,7 +33,7 @@ def test_online_fit_recovers_a_line_and_clips():
 def test_cost_model_fits_target_and_draft_lines():
     c = measured()
     v0, v1 = c.target_line()
-    assert (v0, v1) == pytest.approx((0.05, 0.007), rel=1e-3)
+    assert (v0, v1) == pytest.approx((0.05, 0.007), rel=2e-2)  # the prior weighs a little
     assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
     assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.007 * 10, rel=1e-3)
     c.freeze(((1.0, 0.5), np.array([0.0, 0.0, 1.0])))  # rank 0's figures win under TP
@@ -142,32 +142,28 @@ def test_nothing_measured_yet_drafts_one_token_to_measure():
     assert ctl.choose([Candidate(3, np.ones(3))]).tokens == [1]
 
 
-def test_backs_off_when_speculation_measures_slower_than_plain_and_probes_rarely():
+def test_backs_off_when_speculation_measures_slower_than_plain_and_resumes_when_it_pays():
     costs = measured()
     ctl = GoodputController(costs)
     good = [cand(0.9, 4, costs)]
     plain = costs.target_seconds(1)
-    # the model says drafting pays, but every speculative step achieves only half of plain's rate
-    for _ in range(30):
-        choice = ctl.choose(good)
-        if any(choice.tokens):
-            ctl.settle(emitted=1, requests=1, seconds=2 * plain)
-    assert ctl.achieved < 1.0
-    drafted = []
-    for _ in range(400):
-        choice = ctl.choose(good)
-        drafted.append(any(choice.tokens))
-        if any(choice.tokens):
-            ctl.settle(emitted=1, requests=1, seconds=2 * plain)
-    assert 2 <= sum(drafted) <= 8  # back-off doubles: a handful of trials in 400 steps
-    # once trials pay, speculation resumes
-    resumed = 0
-    for _ in range(2000):
-        choice = ctl.choose(good)
-        if any(choice.tokens):
-            ctl.settle(emitted=1 + sum(choice.tokens), requests=1, seconds=1.1 * plain)
-            resumed += 1
-    assert ctl.achieved > 1.0 and resumed > 1000
+
+    def run(steps, outcome):
+        drafted = []
+        for _ in range(steps):
+            choice = ctl.choose(good)
+            drafted.append(any(choice.tokens))
+            if any(choice.tokens):
+                ctl.settle(*outcome(choice))
+        return drafted
+
+    # the model says drafting pays, but every speculative step achieves half of plain's rate
+    slow = run(600, lambda c: (1, 1, 2 * plain))
+    assert sum(slow[100:]) < 0.1 * 500, "it kept drafting at a loss"
+    # the same drafts now pay: 10% slower steps that emit every draft
+    fast = run(2000, lambda c: (1 + sum(c.tokens), 1, 1.1 * plain))
+    assert sum(fast[-500:]) > 0.8 * 500, "it did not resume drafting"
+    assert ctl.achieved > 1.0
 
 
 def test_simulated_batches_never_lose_to_plain_decoding():
@@ -239,10 +235,12 @@ def test_free_drafts_back_off_when_they_measure_slower_than_plain():
     ctl = GoodputController(costs, probe_every=10**9)  # no self-draft probes in this test
     lookup = Candidate(4, np.cumprod([0.8] * 4), free=True)
     plain = costs.target_seconds(1)
-    ran = 0
-    for _ in range(300):
+    ran = []
+    for step in range(600):
         choice = ctl.choose([lookup])
         if any(choice.tokens):
-            ran += 1
+            ran.append(step)
             ctl.settle(emitted=1, requests=1, seconds=1.5 * plain)  # nothing ever accepted
-    assert ctl.nets["free"].achieved < 1.0 and ran < 60
+    # a dozen steps of evidence, then pauses of 32, 64, 128, ... steps
+    gaps = [b - a for a, b in zip(ran, ran[1:]) if b - a > 1]
+    assert len(ran) < 0.15 * 600 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0], gaps
