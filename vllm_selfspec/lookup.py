@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 #: lookup options of the config (``"lookup": true`` takes these; a dict overrides them)
-DEFAULTS = {"max_ngram": 4, "min_ngram": 2}
+DEFAULTS = {"max_ngram": 4, "min_ngram": 1}
 
 
 def check_options(options) -> dict:
