@@ -36,6 +36,10 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 ``dispatch_cpu_unquantized_gemm``                       their GEMM on CPU: vLLM's (oneDNN, prepacked)
+``SchedulerOutput.{num_scheduled_tokens,                 the goodput controller's step-cost samples,
+  scheduled_spec_decode_tokens}``,                       verification outcomes; context lookup's
+  ``input_batch.num_prompt_tokens``,                      shared index (outputs only) and its
+  ``sampling_metadata.{all_greedy, temperature}``         point-mass q for sampled requests
 ``GPUModelRunner._model_forward``, ``query_start_loc``,  AdaDecode's finishing pass replaces the
   ``input_batch.{num_reqs, num_computed_tokens_cpu,       target forward (engine/adadecode.py)
   num_prompt_tokens}``, ``get_forward_context()

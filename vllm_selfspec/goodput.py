@@ -214,6 +214,19 @@ class Candidate:
     free: bool = False  # drafts that cost no draft step (context lookup): only verification
 
 
+def prefer_free(free: Candidate, paid: Candidate, verify_seconds: float) -> bool:
+    """A request's option for a step when it has both a free draft (context lookup) and a paid
+    one (its self-drafter): the free one where its first token is expected to yield at least as
+    many tokens per second of cost. A free token costs its verification; a paid one also its
+    share of a draft step, counted whole, as a lone drafting row pays it."""
+    if paid.max_tokens <= 0:
+        return True
+    if free.max_tokens <= 0:
+        return False
+    paid_cost = verify_seconds + paid.row_seconds + paid.plan_seconds
+    return float(free.accept[0]) * paid_cost >= float(paid.accept[0]) * verify_seconds
+
+
 @dataclass
 class Choice:
     tokens: list[int]  # draft length per candidate

@@ -9,12 +9,14 @@ request's last n tokens. ``ContextIndex`` goes further, in the manner of SuffixD
 * a draft is a walk: at each position the longest n-gram ending there that was seen before
   proposes its most frequent follower (the latest one on ties), and the walk continues from the
   drafted token, so a draft can follow a repeated pattern past the end of its first match;
-* each draft token carries the length of the match that proposed it: the engine measures
-  acceptance per match length (``goodput.AcceptanceTracker`` over those slots) and the goodput
-  controller decides how many of the tokens to verify (a lookup draft costs no draft step, only
-  its verification).
+* where the request's own context has no match, ``SharedIndex`` — the outputs of recently
+  finished requests, bounded — may continue the walk (``"shared": true``);
+* each draft token carries its *slot*, the length of the match that proposed it (shared-index
+  matches in slots of their own): the engine measures acceptance per slot
+  (``goodput.AcceptanceTracker``) and the goodput controller decides how many of the tokens to
+  verify (a lookup draft costs no draft step, only its verification).
 
-Worked example (``max_n=3``)::
+Worked example (``max_n=3, min_n=2``)::
 
     tokens:  a b c d a b c e a b
     index:   "a b" -> {c: 2}, "b c" -> {d: 1, e: 1}, "a b c" -> {d: 1, e: 1}, ...
@@ -24,10 +26,11 @@ Worked example (``max_n=3``)::
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 #: lookup options of the config (``"lookup": true`` takes these; a dict overrides them)
-DEFAULTS = {"max_ngram": 4, "min_ngram": 1}
+DEFAULTS = {"max_ngram": 4, "min_ngram": 1, "shared": True}
 
 
 def check_options(options) -> dict:
@@ -43,6 +46,8 @@ def check_options(options) -> dict:
     if unknown:
         raise ValueError(f"unknown lookup option(s) {unknown}; allowed: {sorted(DEFAULTS)}")
     merged = {**DEFAULTS, **options}
+    if not isinstance(merged["shared"], bool):
+        raise ValueError(f"lookup: shared must be true or false, got {merged['shared']!r}")
     lo, hi = merged["min_ngram"], merged["max_ngram"]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) \
             or not 1 <= lo <= hi <= 16:
@@ -51,35 +56,32 @@ def check_options(options) -> dict:
     return merged
 
 
-class ContextIndex:
-    """The n-grams of one request's tokens and what followed each (see the module docstring)."""
+class NGramTable:
+    """n-gram (``min_n``..``max_n`` tokens) -> {token that followed it: [count, last position]}."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
-        self.tokens: list[int] = []
-        #: n-gram -> {next token: (count, last position it followed at)}
         self.follow: dict[tuple[int, ...], dict[int, list[int]]] = {}
 
-    def __len__(self) -> int:
-        return len(self.tokens)
+    def _count(self, tokens: Sequence[int], end: int, delta: int) -> None:
+        """Count ``tokens[end]`` as the follower of every n-gram ending just before it."""
+        t = tokens[end]
+        for n in range(self.min_n, min(self.max_n, end) + 1):
+            key = tuple(tokens[end - n:end])
+            seen = self.follow.setdefault(key, {})
+            entry = seen.get(t)
+            if entry is None:
+                seen[t] = [delta, end]
+            else:
+                entry[0] += delta
+                if delta > 0:
+                    entry[1] = max(entry[1], end)
+                if entry[0] <= 0:
+                    del seen[t]
+                    if not seen:
+                        del self.follow[key]
 
-    def extend(self, new: Sequence[int]) -> None:
-        """Append tokens; each becomes the follower of the n-grams that end just before it."""
-        toks = self.tokens
-        for t in new:
-            t = int(t)
-            end = len(toks)
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                seen = self.follow.setdefault(tuple(toks[end - n:end]), {})
-                entry = seen.get(t)
-                if entry is None:
-                    seen[t] = [1, end]
-                else:
-                    entry[0] += 1
-                    entry[1] = end
-            toks.append(t)
-
-    def _next(self, context: list[int]) -> tuple[int, int] | None:
+    def next(self, context: Sequence[int]) -> tuple[int, int] | None:
         """(token, match length) from the longest n-gram ending the context that was seen."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             seen = self.follow.get(tuple(context[-n:]))
@@ -88,17 +90,64 @@ class ContextIndex:
                 return token, n
         return None
 
-    def propose(self, k: int) -> tuple[list[int], list[int]]:
-        """Up to ``k`` draft tokens continuing the sequence, with each one's match length."""
+
+class SharedIndex(NGramTable):
+    """The outputs of recently finished requests, for requests whose own context has no match
+    (SuffixDecoding's global tree, kept as n-gram counts). Bounded: past ``capacity`` tokens the
+    oldest outputs are forgotten (their counts taken back)."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 100_000) -> None:
+        super().__init__(max_n, min_n)
+        self.capacity = capacity
+        self.outputs: deque[list[int]] = deque()
+        self.size = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = [int(t) for t in tokens][-self.capacity:]
+        for end in range(1, len(tokens)):
+            self._count(tokens, end, +1)
+        self.outputs.append(tokens)
+        self.size += len(tokens)
+        while self.size > self.capacity:
+            old = self.outputs.popleft()
+            self.size -= len(old)
+            for end in range(1, len(old)):
+                self._count(old, end, -1)
+
+
+class ContextIndex(NGramTable):
+    """The n-grams of one request's tokens and what followed each (see the module docstring)."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        super().__init__(max_n, min_n)
+        self.tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Append tokens; each becomes the follower of the n-grams that end just before it."""
+        toks = self.tokens
+        for t in new:
+            toks.append(int(t))
+            self._count(toks, len(toks) - 1, +1)
+
+    def propose(self, k: int, shared: NGramTable | None = None) -> tuple[list[int], list[int]]:
+        """Up to ``k`` draft tokens continuing the sequence, with each one's *slot*: its match
+        length n in this request's context, or ``max_n + n`` where only the ``shared`` index
+        (other requests' outputs) had a match."""
         context = self.tokens[-self.max_n:]
         drafts: list[int] = []
-        matches: list[int] = []
+        slots: list[int] = []
         for _ in range(k):
-            found = self._next(context)
+            found = self.next(context)
+            slot_base = 0
+            if found is None and shared is not None:
+                found, slot_base = shared.next(context), self.max_n
             if found is None:
                 break
             token, n = found
             drafts.append(token)
-            matches.append(n)
+            slots.append(slot_base + n)
             context = (context + [token])[-self.max_n:]
-        return drafts, matches
+        return drafts, slots

@@ -25,8 +25,9 @@ import torch
 
 from .. import compat
 from ..config import SelfSpecConfig
-from ..goodput import AcceptanceTracker, Candidate, GoodputController, StepCostModel
-from ..lookup import ContextIndex
+from ..goodput import (AcceptanceTracker, Candidate, GoodputController, StepCostModel,
+                       prefer_free)
+from ..lookup import ContextIndex, SharedIndex
 from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
 from .adadecode import DeferredEngine
@@ -132,7 +133,12 @@ class SelfSpecProposer:
         #: the match lengths of the lookup drafts each request awaits verification of
         self.lookup = self.config.lookup
         self._indexes: dict[str, ContextIndex] = {}
-        self.lookup_acceptance = AcceptanceTracker(self.lookup.get("max_ngram", 0) + 1)
+        self._prompt_lens: dict[str, int] = {}
+        #: the outputs of finished requests (identical on every TP rank: same requests, order)
+        self.shared_index = (SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
+                             if self.lookup.get("shared") else None)
+        # slots: match lengths 1..max_n in the request's context, max_n + 1..2 max_n shared
+        self.lookup_acceptance = AcceptanceTracker(2 * self.lookup.get("max_ngram", 0) + 1)
         self._lookup_rates: dict[str, Any] = {}
         self._lookup_round: dict[str, list[int]] = {}
         self._tp = vllm_config.parallel_config.tensor_parallel_size
@@ -209,7 +215,10 @@ class SelfSpecProposer:
     def on_request_finished(self, req_id: str) -> None:
         self.states.pop(req_id, None)
         self._rates.pop(req_id, None)
-        self._indexes.pop(req_id, None)
+        index = self._indexes.pop(req_id, None)
+        prompt_len = self._prompt_lens.pop(req_id, None)
+        if index is not None and self.shared_index is not None:
+            self.shared_index.add(index.tokens[prompt_len:])
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
         self._round_exits.pop(req_id, None)
@@ -370,15 +379,14 @@ class SelfSpecProposer:
         if index is None:
             index = self._indexes[req_id] = ContextIndex(self.lookup["max_ngram"],
                                                          self.lookup["min_ngram"])
+            self._prompt_lens[req_id] = int(ib.num_prompt_tokens[i])
         if len(index) < n:
             index.extend(ib.token_ids_cpu[i, len(index):n].tolist())
-        return index.propose(room)
+        return index.propose(room, self.shared_index)
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
-        """Per request its option for this step: the self-draft of its policy's decision, or
-        the free lookup draft where its first token is expected to yield at least as many tokens
-        per second of cost (a lookup token costs its verification only; a self-drafted one also
-        its share of a draft step: counted whole, as a lone drafting row pays it)."""
+        """Per request its option for this step: its policy's self-draft, or the free lookup
+        draft (``goodput.prefer_free``)."""
         coef = self.costs.draft_coefficients()
         line = self.costs.target_line()
         v1 = line[1] if line is not None else 0.0
@@ -388,14 +396,13 @@ class SelfSpecProposer:
             row = plan = 0.0
             if coef is not None:
                 row, plan = float(coef[2]) * layers, float(coef[0] + coef[1] * layers)
-            accept = self.acceptance.cumulative(self._rates[req_ids[i]], g)
-            cand = Candidate(g, accept, row, plan)
-            tokens, matches = lookups.get(i, ((), ()))
+            cand = Candidate(g, self.acceptance.cumulative(self._rates[req_ids[i]], g), row, plan)
+            tokens, slots = lookups.get(i, ((), ()))
             if tokens:
-                la = self.lookup_acceptance.cumulative(self._lookup_rates[req_ids[i]],
-                                                       len(tokens), matches)
-                if g == 0 or la[0] * (v1 + row + plan) >= accept[0] * v1:
-                    cand = Candidate(len(tokens), la, free=True)
+                free = Candidate(len(tokens), self.lookup_acceptance.cumulative(
+                    self._lookup_rates[req_ids[i]], len(tokens), slots), free=True)
+                if prefer_free(free, cand, v1):
+                    cand = free
             cands.append(cand)
         return cands
 
