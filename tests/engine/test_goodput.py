@@ -1,7 +1,7 @@
 """The goodput controller and context lookup in a real engine: greedy parity with vanilla vLLM
 (prefix caching, chunked prefill, batch 1 and 8) while they draft, and what they report.
 
-``auto`` (lookup + LayerSkip on this model with no trained heads cached, under the controller)
+``auto`` (lookup + the self-drafter this model has what it needs for, under the controller)
 drafts from the context where it repeats, which code does; the canary LayerSkip config under the
 controller drafts only while the controller measures (its warm-up and probes) and is cut after.
 """
@@ -12,6 +12,7 @@ from selfspec_testing import engine, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from vllm_selfspec.config import auto_method
 
 pytestmark = pytest.mark.engine
 
@@ -53,7 +54,8 @@ def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
         out = _run(llm)
         stats = vllm_selfspec.get_stats(llm)
     _check_parity(vanilla, out, "auto")
-    assert stats["policy"]["method"] == "layerskip"  # no trained heads are cached in the tests
+    # the self-drafter auto chose for this model: LayerSkip unless trained heads are cached
+    assert stats["policy"]["method"] == auto_method(model_path)[0]
     src = stats["token_sources"]
     assert stats["lookup_drafted_tokens"] > 0 and src["lookup"] > 0, src
     assert src["lookup"] + src["self_draft"] + src["target"] == stats["generated_tokens"]
@@ -74,3 +76,29 @@ def test_controller_cuts_self_drafts_and_keeps_parity(model_path, vanilla):
     ctl = stats["controller"]
     assert ctl["cut_tokens"] > 0 and ctl["plain_steps"] > 0, ctl
     assert stats["time_s"]["controller"] > 0
+
+
+def test_requests_with_different_plans_draft_in_one_forward(model_path, vanilla, monkeypatch):
+    """Requests whose plans differ (a deep and a shallow exit, a skip set) share each draft
+    step's forward (PlanExecutor.run_mixed): one forward per draft step, not one per plan."""
+    import itertools
+
+    from vllm_selfspec.plans import LayerPlan
+    from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the patches reach the worker
+    plans = [LayerPlan.prefix(30, 30), LayerPlan.prefix(30, 12),
+             LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24)]
+    turn = itertools.count()
+    monkeypatch.setattr(LayerSkipPolicy, "new_state", lambda self: next(turn) % len(plans))
+    monkeypatch.setattr(LayerSkipPolicy, "propose",
+                        lambda self, state: DraftDecision(plans[state], 3))
+    spec = {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
+    with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
+        out = _run(llm)
+        stats = vllm_selfspec.get_stats(llm)
+    _check_parity(vanilla, out, "mixed plans")
+    assert len(stats["plan_hist"]) == len(plans), stats["plan_hist"]
+    assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+    # every round drafts 3 tokens: 3 forwards per engine step, whatever the plans in the batch
+    assert stats["draft_forwards"] <= 3 * stats["steps"]

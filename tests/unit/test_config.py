@@ -33,6 +33,12 @@ def test_detection():
     ({"method": "layerskip", "num_speculative_tokens": 200}, "num_speculative_tokens"),
     ({"method": "layerskip", "num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"method": "layerskip", "capture_tokens": 0}, "capture_tokens"),
+    ({"method": "layerskip", "goodput": "yes"}, "goodput must be true or false"),
+    ({"method": "layerskip", "lookup": {"max_ngram": 0}}, "min_ngram <= max_ngram"),
+    ({"method": "layerskip", "lookup": {"window": 3}}, "unknown lookup option"),
+    ({"method": "adadecode", "lookup": True}, "cannot be combined with adadecode"),
+    ({"method": "cascade", "lossy": True, "lookup": True}, "unverified"),
+    ({"method": "auto", "exit_layer": 3}, "it chooses the method itself"),
     ("{not json", "not valid JSON"),
 ])
 def test_errors(raw, match):
@@ -63,3 +69,25 @@ def test_layerskip_skip_set_defaults_to_full_depth():
     cfg = SelfSpecConfig.load({"method": "layerskip", "skip_attn": [1], "skip_mlp": [2, 3]})
     plan = cfg.make_policy(MODEL).propose(None).plan
     assert plan.exit_layer == 30 and plan.num_sublayers == 60 - 3
+
+
+def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    cfg = SelfSpecConfig.load({"method": "auto"})
+    assert is_selfspec({"method": "auto"}) and cfg.lookup and cfg.goodput
+    cfg.validate_for_model(MODEL)  # the concrete method is validated once resolved
+    concrete = cfg.resolved(str(tmp_path))  # no heads cached for this model
+    assert concrete.method == "layerskip" and concrete.options["exit_layer"] == 28
+    assert concrete.lookup == cfg.lookup and concrete.goodput
+    assert concrete.num_speculative_tokens == cfg.num_speculative_tokens == 6
+    off = SelfSpecConfig.load({"method": "auto", "lookup": False, "goodput": False})
+    assert not off.resolved(str(tmp_path)).lookup
+    with pytest.raises(SelfSpecConfigError, match="cannot read the model's config"):
+        cfg.resolved(str(tmp_path / "missing"))
+
+
+def test_goodput_and_lookup_round_trip():
+    cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False,
+                               "lookup": {"max_ngram": 3}})
+    assert not cfg.goodput and cfg.lookup == {"max_ngram": 3, "min_ngram": 1, "shared": True}
+    assert SelfSpecConfig.load(cfg.to_dict()) == cfg

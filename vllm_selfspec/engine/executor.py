@@ -63,6 +63,59 @@ class PlanExecutor:
                 h = layer.mlp(h)
         return h, res
 
+    def run_mixed(self, plans: list[LayerPlan], input_ids: torch.Tensor,
+                  positions: torch.Tensor, context) -> list[torch.Tensor]:
+        """One draft step of B rows with different plans, in one pass: each sub-layer runs once,
+        on the rows whose plan includes it (attention under ``context(rows)``, the forward
+        context of those rows' attention metadata); a row leaves at its plan's exit through its
+        head. Returns each row's logits over the draft vocabulary.
+
+        The residual stream starts at zero for every row (``h + 0 == h``), so rows whose first
+        sub-layers differ share one tensor; uniform groups use ``run`` (bit-identical to vLLM)."""
+        h = self.layout.embed(input_ids)
+        res = torch.zeros_like(h)
+        logits: list[torch.Tensor | None] = [None] * len(plans)
+        depth = max(p.exit_layer for p in plans)
+        with context(list(range(len(plans)))):  # for the sub-layers other than attention
+            self._run_mixed_layers(plans, h, res, positions, context, depth, logits)
+        return logits
+
+    def _run_mixed_layers(self, plans, h, res, positions, context, depth, logits) -> None:
+        everyone = list(range(len(plans)))
+        for i in range(depth):
+            layer = self.layout.layers[i]
+            attn = [r for r, p in enumerate(plans) if p.exit_layer > i and p.attn[i]]
+            mlp = [r for r, p in enumerate(plans) if p.exit_layer > i and p.mlp[i]]
+            if attn == mlp == everyone:  # the whole layer on every row: vLLM's own forward
+                h, res = layer(positions, h, res)
+            else:
+                for rows, is_attn in ((attn, True), (mlp, False)):
+                    if rows:
+                        h, res = self._sublayer(layer, is_attn, rows, h, res, positions,
+                                                context)
+            for plan in dict.fromkeys(p for p in plans if p.exit_layer == i + 1):
+                rows = [r for r, p in enumerate(plans) if p == plan]
+                idx = torch.tensor(rows, device=h.device)
+                out = self.logits(plan, h[idx], res[idx])
+                for j, r in enumerate(rows):
+                    logits[r] = out[j]
+
+    @staticmethod
+    def _sublayer(layer, attn: bool, rows, h, res, positions, context):
+        """One attention or MLP sub-layer on ``rows`` only (the others keep their pending
+        delta for a later norm)."""
+        idx = torch.tensor(rows, device=h.device)
+        norm = layer.input_layernorm if attn else layer.post_attention_layernorm
+        x, r = norm(h[idx], res[idx])
+        if attn:
+            with context(rows):
+                x = layer.self_attn(positions=positions[idx], hidden_states=x)
+        else:
+            x = layer.mlp(x)
+        h, res = h.clone(), res.clone()
+        h[idx], res[idx] = x, r
+        return h, res
+
     def run_cascade(self, plan: LayerPlan, exits, input_ids: torch.Tensor,
                     positions: torch.Tensor, max_exit: torch.Tensor
                     ) -> tuple[torch.Tensor | None, torch.Tensor, int]:

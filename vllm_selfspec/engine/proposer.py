@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,6 @@ from ..config import SelfSpecConfig
 from ..goodput import (AcceptanceTracker, Candidate, GoodputController, StepCostModel,
                        prefer_free)
 from ..lookup import ContextIndex, SharedIndex
-from ..plans import LayerPlan
 from ..policies import DraftDecision, Feedback
 from .adadecode import DeferredEngine
 from .executor import PlanExecutor
@@ -483,19 +481,15 @@ class SelfSpecProposer:
         if self.deferred is not None:
             self.deferred.draft(runner, active, sampling_metadata, probs, drafts)
         else:
-            by_plan: dict[LayerPlan, list[int]] = defaultdict(list)
-            for j, (_, decision, _) in enumerate(active):
-                by_plan[decision.plan].append(j)
-            for plan, members in by_plan.items():
-                self._draft_plan(runner, plan, [active[j] for j in members], members,
-                                 sampling_metadata, probs, drafts)
+            self._draft_plan(runner, active, sampling_metadata, probs, drafts)
         for j, (i, _, _) in enumerate(active):
             if drafts[i]:
                 self._pending_q[ib.req_ids[i]] = (None if probs is None
                                                    else probs[j, :len(drafts[i])])
 
-    def _draft_plan(self, runner, plan: LayerPlan, items, prob_rows, sampling_metadata,
-                    probs, drafts) -> None:
+    def _draft_plan(self, runner, items, sampling_metadata, probs, drafts) -> None:
+        """Draft rounds of ``items`` (batch row, decision, length): one forward per draft step
+        for all of them, whatever their plans; rows leave as their rounds end."""
         ib = runner.input_batch
         dev = runner.device
         rows = [i for i, _, _ in items]
@@ -509,9 +503,9 @@ class SelfSpecProposer:
         bt = ib.block_table[0]
         block_table = bt.get_device_tensor(len(ib.req_ids))
         temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
-        prob_rows_t = torch.tensor(prob_rows, dtype=torch.long)
+        plans = [d.plan for _, d, _ in items]
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
-        cascade = items[0][1].cascade  # a plan's decisions share it (one static policy)
+        cascade = items[0][1].cascade  # Cascade's decisions share it (one static plan)
         walks = (CascadeWalks(self.policy, [self.states[ib.req_ids[r]] for r in rows])
                  if cascade is not None else None)
         alive = list(range(len(rows)))
@@ -523,21 +517,30 @@ class SelfSpecProposer:
                 break
             J = torch.tensor(alive, dtype=torch.long)
             pos = (pos0[J] + step).to(dev)
-            md, slot_map = self._attn_metadata(block_table[rows_t[J].to(dev)], pos,
-                                               bt.block_size, step)
+            step_plans = [plans[j] for j in alive]
             t0 = time.perf_counter()
-            with self._set_forward_context(md, self.vllm_config, num_tokens=len(alive),
-                                     slot_mapping=slot_map):
+            if cascade is None and len(set(step_plans)) > 1:
+                logits = self._run_mixed(step_plans, block_table[rows_t[J].to(dev)],
+                                         tok[J].to(dev), pos, bt.block_size, step)
+                depth = max(p.layer_cost for p in step_plans)
+            else:
+                plan = step_plans[0]
+                md, slot_map = self._attn_metadata(block_table[rows_t[J].to(dev)], pos,
+                                                   bt.block_size, step)
+                with self._set_forward_context(md, self.vllm_config, num_tokens=len(alive),
+                                               slot_mapping=slot_map):
+                    if cascade is None:
+                        h, res = self.executor.run(plan, tok[J].to(dev), pos)
+                        depth = plan.layer_cost
+                    else:
+                        logits, chosen, depth = self.executor.run_cascade(
+                            plan, cascade, tok[J].to(dev), pos, torch.tensor(caps))
                 if cascade is None:
-                    h, res = self.executor.run(plan, tok[J].to(dev), pos)
-                    depth = plan.layer_cost
-                else:
-                    logits, chosen, depth = self.executor.run_cascade(
-                        plan, cascade, tok[J].to(dev), pos, torch.tensor(caps))
-            if cascade is None:
-                logits = self.executor.logits(plan, h, res)
+                    logits = self.executor.logits(plan, h, res)
             self.costs.add_draft(depth, len(alive), time.perf_counter() - t0)
-            self.stats.draft_layers += depth * len(alive)
+            self.stats.draft_forwards += 1
+            self.stats.draft_layers += (depth * len(alive) if cascade is not None
+                                        else sum(p.layer_cost for p in step_plans))
             if walks is not None:
                 chosen = chosen.tolist()
                 walks.record(alive, caps, chosen, self.stats)
@@ -555,7 +558,7 @@ class SelfSpecProposer:
                     if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
                         q = q.new_zeros(len(alive), self.info.vocab_size).index_copy_(
                             1, vocab_ids, q)
-                    probs[prob_rows_t[J].to(probs.device), step] = q.to(probs.dtype)
+                    probs[J.to(probs.device), step] = q.to(probs.dtype)
             if vocab_ids is not None:
                 nxt = vocab_ids[nxt]
             keep = None
@@ -574,7 +577,7 @@ class SelfSpecProposer:
         if walks is not None:
             self._round_exits.update((ib.req_ids[rows[j]], steps)
                                      for j, steps in enumerate(walks.steps) if steps)
-        for j, r in enumerate(rows):
+        for j, (r, plan) in enumerate(zip(rows, plans)):
             d = len(drafts[r])
             self.stats.draft_length_hist[d] += 1
             if d:
@@ -583,6 +586,21 @@ class SelfSpecProposer:
                 self.stats.plans[plan] += 1
                 self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
                 self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
+
+    def _run_mixed(self, plans, block_table, tokens, pos, block_size: int, step: int):
+        """``PlanExecutor.run_mixed`` with attention metadata per row subset (built once each)."""
+        built: dict[tuple[int, ...], tuple] = {}
+
+        def context(rows: list[int]):
+            key = tuple(rows)
+            if key not in built:
+                idx = torch.tensor(rows, device=pos.device)
+                built[key] = self._attn_metadata(block_table[idx], pos[idx], block_size, step)
+            md, slot_map = built[key]
+            return self._set_forward_context(md, self.vllm_config, num_tokens=len(rows),
+                                             slot_mapping=slot_map)
+
+        return torch.stack(self.executor.run_mixed(plans, tokens, pos, context))
 
     def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
                        step: int):

@@ -24,6 +24,7 @@ class EngineStats:
     accepted_tokens: int = 0
     draft_rounds: int = 0  # per-request rounds that proposed >= 1 draft token
     draft_layers: float = 0.0  # decoder layers run by draft steps, summed over requests
+    draft_forwards: int = 0  # partial forwards run by draft steps (one per step, every plan)
     target_layers: float = 0.0  # decoder layers run by target forwards, summed over requests
     shadow_rows: int = 0  # (layer, token) rows projected into shadow tokens
     optimisations: int = 0  # per-request plan searches (KnapSpec)
@@ -86,6 +87,7 @@ class EngineStats:
             if self.drafted_tokens else None,
             "draft_rounds": self.draft_rounds,
             "draft_layers": self.draft_layers,
+            "draft_forwards": self.draft_forwards,
             "target_layers": self.target_layers,
             "tokens_per_layer": self.generated_tokens / layers if layers else None,
             "shadow_rows": self.shadow_rows,
