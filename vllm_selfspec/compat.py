@@ -13,6 +13,8 @@ internal (vLLM 0.32)                                    used for
 V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/worker.py):
   ``propose_draft_token_ids``, ``execute_model``,
   ``sample_tokens``, ``_on_request_state_removed``,
+  ``_sample`` (``SpecDecodeMetadata.max_spec_len``),
+  ``take_draft_token_ids`` / ``_draft_token_ids``,
   ``_setup_eagle3_aux_hidden_state_outputs``,
   ``_draft_probs`` / ``_draft_prob_req_ids`` (read
   as ``_draft_probs[row, :n]``: any indexable works),

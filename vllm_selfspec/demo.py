@@ -12,9 +12,9 @@ from .bench import _run_worker
 from .models import resolve_model
 from .prompts import load_prompts
 
-#: the default demo method: the best static LS(E-γ) on the embedded model (no static exit pays
-#: off there with the raw LM head: see docs/benchmarks.md)
-DEMO_CONFIG = {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 1}
+#: the default demo method: what a user should turn on (context lookup + the strongest
+#: self-drafter the model has, under the goodput controller)
+DEMO_CONFIG = {"method": "auto"}
 
 
 def run_demo(model: str | None = None, speculative_config: dict | None = None,

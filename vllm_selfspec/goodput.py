@@ -348,6 +348,17 @@ class GoodputController:
         """The self-drafting steps' achieved/predicted extra tokens."""
         return self.nets["paid"].token_calibration()
 
+    #: steps around a self-draft (after one, before a probe) in which feedback for self-drafting
+    #: (DEL's shadow tokens) is worth its cost
+    FEEDBACK_STEPS = 8
+
+    def self_feedback_due(self) -> bool:
+        """Whether self-drafting ran in the last few steps or a probe is near: a policy's costly
+        feedback (shadow projections) is skipped while self-drafts do not run."""
+        paid = self.nets["paid"]
+        return (paid.idle < self.FEEDBACK_STEPS
+                or paid.idle + self.FEEDBACK_STEPS >= self._probe_interval)
+
     # ---- the choice ------------------------------------------------------------------------
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
         """Draft lengths maximising expected emitted tokens / predicted seconds of the next step

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec.config import SelfSpecConfig
-from vllm_selfspec.policies import POLICIES, ModelInfo
+from vllm_selfspec.config import METHODS, SelfSpecConfig
+from vllm_selfspec.policies import ModelInfo
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EMBEDDED = ModelInfo(num_layers=30, hidden_size=576, vocab_size=49152,
@@ -16,10 +16,10 @@ EMBEDDED = ModelInfo(num_layers=30, hidden_size=576, vocab_size=49152,
 
 def test_one_example_per_method():
     have = {p.stem.removeprefix("selfspec-") for p in EXAMPLES.glob("selfspec-*.json")}
-    assert have == set(POLICIES)
+    assert have == set(METHODS)
 
 
-@pytest.mark.parametrize("method", sorted(POLICIES))
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_example_is_valid(method):
     cfg = SelfSpecConfig.load(str(EXAMPLES / f"selfspec-{method}.json"))
     assert cfg.method == method

@@ -244,3 +244,15 @@ def test_free_drafts_back_off_when_they_measure_slower_than_plain():
     # a dozen steps of evidence, then pauses of 32, 64, 128, ... steps
     gaps = [b - a for a, b in zip(ran, ran[1:]) if b - a > 1]
     assert len(ran) < 0.15 * 600 and gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0], gaps
+
+
+def test_self_feedback_is_due_only_around_self_drafts():
+    costs = measured()
+    ctl = GoodputController(costs)
+    bad = [cand(0.05, 4, costs)]  # never pays: only probes run
+    due = []
+    for _ in range(300):
+        ctl.choose(bad)
+        due.append(ctl.self_feedback_due())
+    assert sum(due[-150:]) < 0.5 * 150  # mostly skipped while self-drafts do not run
+    assert any(due[-150:])  # but kept ahead of the probes

@@ -271,8 +271,10 @@ class SelfSpecProposer:
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None:
             with st.timer("shadow"):
-                rows = [i for i, _, state in entries
-                        if not self.policy.shadow or self.policy.wants_shadow(state)]
+                # shadow projections (DEL) cost LM-head rows: not while self-drafts do not run
+                shadow_due = self.controller is None or self.controller.self_feedback_due()
+                rows = [i for i, _, state in entries if not self.policy.shadow
+                        or (shadow_due and self.policy.wants_shadow(state))]
                 captured = self._capture(ib, rows, sampled_token_ids, scheduled,
                                          aux_hidden_states, common_attn_metadata)
 

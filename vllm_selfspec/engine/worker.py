@@ -53,6 +53,24 @@ class SelfSpecRunnerMixin:
                                       intermediate_tensors=intermediate_tensors,
                                       inputs_embeds=inputs_embeds, **model_kwargs)
 
+    # ---- a step with no drafts costs what a vanilla step costs ---------------------------------
+    def _sample(self, logits, spec_decode_metadata):
+        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+                and self._selfspec() is not None):
+            # no request verifies drafts this step: vLLM's plain sampler, exactly as vanilla
+            # (the rejection sampler would copy the logits twice for nothing)
+            spec_decode_metadata = None
+        return super()._sample(logits, spec_decode_metadata)
+
+    def take_draft_token_ids(self):
+        drafts = getattr(self, "_draft_token_ids", None)
+        if (self._selfspec() is not None and isinstance(drafts, list)
+                and not any(drafts)):
+            # no request drafted: nothing to tell the scheduler (it clears a request's draft
+            # tokens when it schedules them), so no per-request payload crosses processes
+            return None
+        return super().take_draft_token_ids()
+
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         drafter = self._selfspec()
         if drafter is not None and drafter.capture_layers:
