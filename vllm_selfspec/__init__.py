@@ -18,3 +18,11 @@ def get_stats(llm, reset: bool = False) -> dict:
     from .engine.stats import merge
 
     return merge(llm.collective_rpc("selfspec_stats", kwargs={"reset": reset}))
+
+
+def forget_outputs(llm) -> None:
+    """Empty context lookup's shared index of finished requests' outputs (``"shared": true``).
+
+    The benchmark calls it before each repeat: a repeat of the same prompts would otherwise
+    draft from the previous repeat's outputs, which no real workload offers."""
+    llm.collective_rpc("selfspec_forget_outputs")

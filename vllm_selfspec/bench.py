@@ -129,7 +129,7 @@ def _worker(spec_path: str) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from . import get_stats
+    from . import forget_outputs, get_stats
     from .config import METHODS
 
     cfg, prompts = spec["config"], spec["prompts"]
@@ -144,6 +144,8 @@ def _worker(spec_path: str) -> int:
     before = _spec_counters(llm)
     runs, token_ids, deterministic = [], None, True
     for _ in range(spec["repeats"]):
+        if selfspec:  # each repeat drafts only from its own requests' outputs, never the last's
+            forget_outputs(llm)
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0

@@ -224,6 +224,11 @@ class SelfSpecProposer:
         if self.deferred is not None:
             self.deferred.forget(req_id)
 
+    def forget_outputs(self) -> None:
+        """Empty the shared lookup index (vllm_selfspec.forget_outputs)."""
+        if self.shared_index is not None:
+            self.shared_index = SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
+
     def take_draft_probs(self) -> tuple["PendingDraftProbs | None", list[str] | None]:
         """What vLLM's runner reads at the next verification (``_draft_probs[row, :n]`` by
         ``_draft_prob_req_ids``): every pending request's q, or None when all are greedy."""

@@ -151,6 +151,11 @@ class SelfSpecWorker(_BaseWorker):
             if drafter.capture_layers:  # must be set before load_model()
                 runner.use_aux_hidden_state_outputs = True
 
+    def selfspec_forget_outputs(self) -> None:  # see vllm_selfspec.forget_outputs
+        drafter = getattr(self.model_runner, "drafter", None)
+        if isinstance(drafter, SelfSpecProposer):
+            drafter.forget_outputs()
+
     # offline API: llm.collective_rpc("selfspec_stats") (see vllm_selfspec.get_stats)
     def selfspec_stats(self, reset: bool = False) -> dict:
         drafter = getattr(self.model_runner, "drafter", None)
