@@ -28,6 +28,16 @@ def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def greedy_one_by_one_and_together(llm, prompts, max_tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy tokens of ``prompts`` submitted one at a time ("bs1") and all together ("bs8")."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    bs1 = [token_ids(llm.generate([p], sp, use_tqdm=False))[0] for p in prompts]
+    bs8 = token_ids(llm.generate(prompts, sp, use_tqdm=False))
+    return {"bs1": bs1, "bs8": bs8}
+
+
 def save_tiny_llama(path, vocab: int, lm_head_scale: float = 1.0) -> str:
     """A seeded random-weight 4-layer Llama (4 heads / 2 KV heads, hidden 128) saved at ``path``,
     with scaled-up embeddings (and LM head) so its distributions are peaked."""

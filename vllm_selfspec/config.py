@@ -43,8 +43,9 @@ MAX_SPECULATIVE_TOKENS = 128
 #: for (``auto_method``), under the goodput controller; it takes only these options
 AUTO = "auto"
 AUTO_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 6, "goodput": True, "lookup": True}
-#: every method name a selfspec config may give
-METHODS = (*POLICIES, AUTO)
+def methods() -> list[str]:
+    """Every method name a selfspec config may give (the policies, then ``auto``)."""
+    return [*POLICIES, AUTO]
 #: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -88,7 +89,7 @@ def peek_method(spec: Any) -> str | None:
 
 
 def is_selfspec(spec: Any) -> bool:
-    return spec is not None and peek_method(spec) in METHODS
+    return spec is not None and peek_method(spec) in methods()
 
 
 def auto_method(model_path: str) -> tuple[str, dict[str, Any]]:
@@ -123,9 +124,9 @@ class SelfSpecConfig:
     def load(cls, spec: Any) -> "SelfSpecConfig":
         raw = _read(spec)
         method = raw.pop("method", None)
-        if method not in METHODS:
+        if method not in methods():
             raise SelfSpecConfigError(
-                f"unknown selfspec method {method!r}; choose one of {sorted(METHODS)}")
+                f"unknown selfspec method {method!r}; choose one of {sorted(methods())}")
         if method == AUTO:
             unknown = sorted(set(raw) - set(AUTO_OPTIONS))
             if unknown:

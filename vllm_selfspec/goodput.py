@@ -330,8 +330,6 @@ class GoodputController:
     _probe_turn: int = 0
     _probe_interval: int = 0
     _pending: "Choice | None" = None
-    #: whether the last choice was a probe (for the stats)
-    last_probe: bool = False
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
@@ -400,7 +398,6 @@ class GoodputController:
         for kind, net in self.nets.items():
             net.tick(best.kind == kind)
         self._pending = best if best.kind else None
-        self.last_probe = best.probe
         return best
 
     @staticmethod

@@ -28,7 +28,7 @@ logger = logging.getLogger("vllm_selfspec")
 
 PREFIX = "vllm:selfspec_"
 RPC_TIMEOUT_S = 10.0
-TIME_PARTS = ("draft", "verify", "policy", "shadow", "optimise")
+TIME_PARTS = ("draft", "verify", "policy", "shadow", "optimise", "controller")
 
 #: counters: stats key -> (metric name without prefix and "_total", documentation)
 COUNTERS = {
@@ -45,6 +45,16 @@ COUNTERS = {
     "shadow_rows": ("shadow_rows", "(layer, token) rows projected into shadow tokens."),
     "unverified_tokens": ("unverified_tokens", "Tokens emitted from early exits WITHOUT "
                                                "verification (cascade lossy mode only)."),
+    "lookup_drafted_tokens": ("lookup_drafted_tokens", "Context-lookup draft tokens verified "
+                                                       "(also in drafted_tokens)."),
+    "lookup_accepted_tokens": ("lookup_accepted_tokens", "Context-lookup draft tokens accepted "
+                                                         "(also in accepted_tokens)."),
+    "controller_cut_tokens": ("controller_cut_tokens", "Draft tokens the policies proposed that "
+                                                       "the goodput controller did not let run."),
+    "controller_plain_steps": ("controller_plain_steps", "Steps in which the goodput controller "
+                                                         "let no request self-draft."),
+    "controller_probes": ("controller_probes", "Single-token self-draft probes of the goodput "
+                                               "controller."),
 }
 GAUGES = {
     "acceptance_rate": ("acceptance_rate", "accepted_tokens / drafted_tokens since start."),

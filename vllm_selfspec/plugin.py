@@ -80,11 +80,11 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
             args.speculative_config = _read(spec)  # a file path for a vLLM method: read it
         method = _read(args.speculative_config).get("method")
         if method is not None and method not in compat.vllm_spec_methods():
-            from .config import METHODS
+            from .config import methods
 
             raise SelfSpecConfigError(
                 f"unknown speculative method {method!r}: selfspec methods are "
-                f"{sorted(METHODS)}, vLLM's are {compat.vllm_spec_methods()}")
+                f"{sorted(methods())}, vLLM's are {compat.vllm_spec_methods()}")
         return None
     cfg = SelfSpecConfig.load(spec)
     if args.worker_cls not in ("auto", compat.WORKER_CLS):

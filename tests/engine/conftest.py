@@ -2,6 +2,7 @@
 vanilla vLLM's greedy references on the load-test prompts (offline, the same engine settings)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,16 @@ def policies_draft_their_own_lengths(monkeypatch):
 
 @pytest.fixture(scope="session")
 def served(model_path, tmp_path_factory):
-    """`vllm serve` (vLLM's OpenAI server) on 127.0.0.1 with examples/selfspec-layerskip.json."""
-    log = tmp_path_factory.mktemp("serve") / "server.log"
+    """`vllm serve` (vLLM's OpenAI server) on 127.0.0.1 with examples/selfspec-layerskip.json
+    and ``"goodput": false``: the metrics and load tests need drafts in every round, which the
+    controller would rightly stop on this CPU."""
+    tmp = tmp_path_factory.mktemp("serve")
+    log = tmp / "server.log"
+    config = tmp / "selfspec.json"
+    spec = json.loads((EXAMPLES / "selfspec-layerskip.json").read_text())
+    config.write_text(json.dumps({**spec, "goodput": False}))
     args = [*cli_args(ENGINE_KW), "--served-model-name", "smollm2",
-            "--speculative-config", str(EXAMPLES / "selfspec-layerskip.json")]
+            "--speculative-config", str(config)]
     with Server(model_path, args, log_path=log) as srv:
         yield srv
 

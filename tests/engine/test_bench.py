@@ -13,7 +13,10 @@ pytestmark = pytest.mark.engine
 def test_bench_writes_results(model_path, tmp_path):
     out = tmp_path / "bench"
     rc = main(["bench", "--methods", "vanilla,full", "--method-config",
-               '{"full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 2}}',
+               # the canary drafts at full cost: the controller would rightly stop it, so this
+               # harness test (which needs drafts) runs it with the policy's own lengths
+               '{"full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 2,'
+               ' "goodput": false}}',
                "--prompts", "chat", "--num-prompts", "2", "--max-tokens", "12",
                "--batch-size", "2", "--repeats", "1", "--out", str(out)])
     assert rc == 0

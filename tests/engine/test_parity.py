@@ -8,8 +8,7 @@ exit, a sub-layer skip set, and DEL's per-request choices.
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, token_ids
-from vllm import SamplingParams
+from selfspec_testing import engine, greedy_one_by_one_and_together
 
 import vllm_selfspec
 
@@ -47,10 +46,7 @@ CONFIGS = {
 
 
 def _run(llm) -> dict[str, list[list[int]]]:
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    bs1 = [token_ids(llm.generate([p], sp, use_tqdm=False))[0] for p in PROMPTS]
-    bs8 = token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
-    return {"bs1": bs1, "bs8": bs8}
+    return greedy_one_by_one_and_together(llm, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -74,6 +74,20 @@ def vanilla(tiny_model, tp_env):
         return _generate(llm)
 
 
+def test_tp2_auto_under_the_goodput_controller(tiny_model, tp_env, vanilla):
+    """auto (context lookup + LayerSkip on this model) under the controller: each rank times its
+    own steps, and every rank drafts the lengths rank 0 chose."""
+    spec = {"method": "auto", "lookup": {"min_ngram": 1}, "goodput": True}
+    with engine(tiny_model, speculative_config=spec, **KW) as llm:
+        out = _generate(llm)
+        ranks = llm.collective_rpc("selfspec_stats")
+    assert out == vanilla
+    assert ranks[0]["drafted_tokens"] > 0
+    same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "lookup_drafted_tokens",
+            "controller_cut_tokens", "controller_plain_steps", "controller_probes")
+    assert {k: ranks[1][k] for k in same} == {k: ranks[0][k] for k in same}
+
+
 @pytest.mark.parametrize("method", sorted(POLICIES))
 def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
     assert method in SPECS, f"add a TP test config for the new method {method!r}"

@@ -413,13 +413,14 @@ class SelfSpecProposer:
 
     def _control(self, active, cands):
         """The goodput controller's draft lengths for the whole batch (rank 0's under TP)."""
-        tokens = self.controller.choose(cands).tokens
+        choice = self.controller.choose(cands)
+        tokens, probe = choice.tokens, choice.probe
         if self._tp > 1:  # each rank timed its own steps: draft what rank 0 chose
-            tokens = compat.broadcast_from_tp_rank0(tokens)
+            tokens, probe = compat.broadcast_from_tp_rank0((tokens, probe))
         st = self.stats
         st.controller_cut_tokens += sum(c.max_tokens - min(c.max_tokens, t)
                                         for c, t in zip(cands, tokens))
-        st.controller_probes += int(self.controller.last_probe)
+        st.controller_probes += int(probe)
         if not any(t and not c.free for c, t in zip(cands, tokens)):
             st.controller_plain_steps += 1
         return [(i, d, min(c.max_tokens, t)) for (i, d, _), c, t in zip(active, cands, tokens)]
@@ -672,9 +673,8 @@ class SelfSpecProposer:
         # d0 + d1 * layers + d2 * layers * rows (seconds)
         d["costs"] = {"target_forward_s": None if target is None else list(target),
                       "draft_step_s": None if draft is None else draft.tolist()}
-        if self.controller is not None:
-            d["controller"].update(achieved=self.controller.achieved,
-                                   calibration=self.controller.calibration())
+        if self.controller is not None:  # per kind of draft: what it achieved, its calibration
+            d["controller"] = self.controller.state()
         d["draft_vocab_size"] = self.config.draft_vocab_size
         d["live_requests"] = len(self.states)
         if self.deferred is not None:
