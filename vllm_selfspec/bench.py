@@ -68,10 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
     """Ordered {method: speculative config}, vanilla first, overrides merged in."""
-    from .config import methods
+    from .config import methods as selfspec_methods
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
-    known = sorted(set(METHOD_DEFAULTS) | set(methods()))
+    known = sorted(set(METHOD_DEFAULTS) | set(selfspec_methods()))
     try:
         extra = json.loads(overrides) if overrides else {}
     except json.JSONDecodeError as e:
@@ -85,7 +85,7 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
             else name
         if base in METHOD_DEFAULTS:
             configs[name] = None if METHOD_DEFAULTS[base] is None else dict(METHOD_DEFAULTS[base])
-        elif base in methods():
+        elif base in selfspec_methods():
             configs[name] = {"method": base}
         else:
             raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known)} "
@@ -103,12 +103,12 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
     from .compat import model_info_from_hf
-    from .config import methods
+    from .config import methods as selfspec_methods
     from .config import SelfSpecConfig
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():
-        if cfg is not None and cfg["method"] in methods():
+        if cfg is not None and cfg["method"] in selfspec_methods():
             SelfSpecConfig.load(cfg).validate_for_model(info)
 
 
@@ -130,10 +130,10 @@ def _worker(spec_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     from . import forget_outputs, get_stats
-    from .config import methods
+    from .config import methods as selfspec_methods
 
     cfg, prompts = spec["config"], spec["prompts"]
-    selfspec = cfg is not None and cfg.get("method") in methods()
+    selfspec = cfg is not None and cfg.get("method") in selfspec_methods()
     llm = LLM(model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg,
               **ENGINE_ARGS)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS),
@@ -185,7 +185,7 @@ def _run_worker(name: str, spec: dict, log_path: Path, tmp: Path) -> dict:
 
 # ----------------------------------------------------------------------------- summaries
 def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
-    from .config import methods
+    from .config import methods as selfspec_methods
 
     tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
     tps = statistics.median(tps_runs)
@@ -194,7 +194,7 @@ def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
     spec = cfg is not None
     if not spec:
         tpl = tokens / (tokens * num_layers) if tokens else None
-    elif cfg.get("method") in methods():
+    elif cfg.get("method") in selfspec_methods():
         tpl = stats.get("tokens_per_layer") if stats else None
     else:  # a target forward emits 1 + accepted tokens; the draft costs no decoder layers
         forwards = tokens - c["accepted_tokens"]
