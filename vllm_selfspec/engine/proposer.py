@@ -273,13 +273,14 @@ class SelfSpecProposer:
                 self._lookup_rates[req_id] = self.lookup_acceptance.new_state()
             entries.append((i, req_id, state))
 
+        # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
+        # not while the controller runs no self-drafts, only around them and before a probe
+        feedback_due = self.controller is None or self.controller.self_feedback_due()
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None:
             with st.timer("shadow"):
-                # shadow projections (DEL) cost LM-head rows: not while self-drafts do not run
-                shadow_due = self.controller is None or self.controller.self_feedback_due()
                 rows = [i for i, _, state in entries if not self.policy.shadow
-                        or (shadow_due and self.policy.wants_shadow(state))]
+                        or (feedback_due and self.policy.wants_shadow(state))]
                 captured = self._capture(ib, rows, sampled_token_ids, scheduled,
                                          aux_hidden_states, common_attn_metadata)
 
@@ -329,7 +330,7 @@ class SelfSpecProposer:
                 if round_steps and n_drafted:
                     fb.cascade_steps = round_steps
                 self.policy.observe(state, fb)
-                if self.policy.wants_optimise(state):
+                if feedback_due and self.policy.wants_optimise(state):
                     due.append((i, state))
         if self.controller is not None:
             # what the last choice achieved: this step's tokens over its target forward plus
