@@ -253,7 +253,7 @@ class SafetyNet:
     """
 
     MIN_STEPS = 12.0
-    DECAY = 0.97
+    DECAY = 0.995
     pause: int
     max_pause: int
     paused: int = 0  # steps left in the current pause
@@ -350,12 +350,14 @@ class GoodputController:
     #: (DEL's shadow tokens) is worth its cost
     FEEDBACK_STEPS = 8
 
-    def self_feedback_due(self) -> bool:
-        """Whether self-drafting ran in the last few steps or a probe is near: a policy's costly
-        feedback (shadow projections) is skipped while self-drafts do not run."""
+    def self_feedback_due(self, search: bool = False) -> bool:
+        """Whether a policy's costly feedback for self-drafting (DEL's shadow projections) is
+        worth it now: self-drafting ran in the last few steps, or a probe is near. A plan search
+        (KnapSpec's, ``search=True``, far dearer) only before a probe, or after self-drafts that
+        measured faster than plain decoding."""
         paid = self.nets["paid"]
-        return (paid.idle < self.FEEDBACK_STEPS
-                or paid.idle + self.FEEDBACK_STEPS >= self._probe_interval)
+        recent = paid.idle < self.FEEDBACK_STEPS and (not search or paid.achieved >= 1.0)
+        return recent or paid.idle + self.FEEDBACK_STEPS >= self._probe_interval
 
     # ---- the choice ------------------------------------------------------------------------
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:

@@ -256,3 +256,17 @@ def test_self_feedback_is_due_only_around_self_drafts():
         due.append(ctl.self_feedback_due())
     assert sum(due[-150:]) < 0.5 * 150  # mostly skipped while self-drafts do not run
     assert any(due[-150:])  # but kept ahead of the probes
+
+
+def test_plan_search_waits_for_probes_once_self_drafting_measured_slower():
+    costs = measured()
+    ctl = GoodputController(costs)
+    good = [cand(0.9, 4, costs)]
+    plain = costs.target_seconds(1)
+    searches = []
+    for _ in range(400):
+        choice = ctl.choose(good)
+        if any(choice.tokens):
+            ctl.settle(1, 1, 2 * plain)  # self-drafting measures at half of plain's rate
+        searches.append(ctl.self_feedback_due(search=True))
+    assert sum(searches[-200:]) < 0.2 * 200

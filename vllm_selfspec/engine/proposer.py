@@ -276,6 +276,7 @@ class SelfSpecProposer:
         # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
         # not while the controller runs no self-drafts, only around them and before a probe
         feedback_due = self.controller is None or self.controller.self_feedback_due()
+        search_due = self.controller is None or self.controller.self_feedback_due(search=True)
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None:
             with st.timer("shadow"):
@@ -330,7 +331,7 @@ class SelfSpecProposer:
                 if round_steps and n_drafted:
                     fb.cascade_steps = round_steps
                 self.policy.observe(state, fb)
-                if feedback_due and self.policy.wants_optimise(state):
+                if search_due and self.policy.wants_optimise(state):
                     due.append((i, state))
         if self.controller is not None:
             # what the last choice achieved: this step's tokens over its target forward plus
