@@ -6,7 +6,7 @@ policy still decides *how* a request drafts (exit layer, skip set, walk); this m
 *how much*, for the whole batch at once, so that the batch's expected emitted tokens per second
 is as high as it can be — and never, as measured, below plain decoding's.
 
-Three parts:
+Three parts (and ``SearchBudget``, the share of time a plan search may take):
 
 * ``StepCostModel`` — seconds of a target forward as a line in the step's total scheduled tokens
   (plain decode steps included), and of one draft step as ``d0 + d1·layers + d2·layers·rows``;
@@ -312,6 +312,31 @@ class SafetyNet:
         for name in ("steps", "tokens", "plain_tokens", "pred_extra", "real_extra",
                      "pred_cost", "real_cost"):
             setattr(self, name, self.DECAY * getattr(self, name))
+
+
+@dataclass
+class SearchBudget:
+    """The share of the engine's time that plan searches (KnapSpec's) may take: a search is
+    allowed while the searches' seconds stay within ``share`` of all seconds (steps and searches
+    together), both as sums decayed per step, so old searches fade and a burst cannot spend
+    credit saved up over an idle hour. Example: at 40 ms a step and 0.6 s a search, a 5% budget
+    allows one search in about 285 steps once the sums are settled."""
+
+    share: float = 0.05
+    DECAY = 0.999
+    spent: float = 0.0  # decayed seconds of searches
+    elapsed: float = 0.0  # decayed seconds of steps and searches
+
+    def allows(self) -> bool:
+        return self.spent <= self.share * self.elapsed
+
+    def tick(self, seconds: float) -> None:
+        """One engine step of ``seconds`` (searches in it included) passed."""
+        self.spent *= self.DECAY
+        self.elapsed = self.DECAY * self.elapsed + max(seconds, 0.0)
+
+    def spend(self, seconds: float) -> None:
+        self.spent += seconds
 
 
 @dataclass

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.goodput import (AcceptanceTracker, Candidate, GoodputController, OnlineFit,
-                                   StepCostModel)
+                                   SearchBudget, StepCostModel)
 
 
 def measured(v0=0.05, v1=0.007, d0=0.004, d1=0.0005, d2=0.0002, batches=(1, 2, 4, 8, 16)):
@@ -270,3 +270,31 @@ def test_plan_search_waits_for_probes_once_self_drafting_measured_slower():
             ctl.settle(1, 1, 2 * plain)  # self-drafting measures at half of plain's rate
         searches.append(ctl.self_feedback_due(search=True))
     assert sum(searches[-200:]) < 0.2 * 200
+
+
+@pytest.mark.parametrize("step, search", [(0.04, 0.6), (0.02, 0.1), (0.2, 2.0)])
+def test_search_budget_keeps_searches_to_their_share(step, search):
+    budget = SearchBudget(share=0.05)
+    searched = total = 0.0
+    for _ in range(20000):  # a search whenever allowed, as an always-due KnapSpec would
+        seconds = step
+        if budget.allows():
+            budget.spend(search)
+            searched += search
+            seconds += search
+        budget.tick(seconds)
+        total += seconds
+    assert 0.03 < searched / total <= 0.06
+    assert SearchBudget().allows()  # the first search needs no saved credit
+
+
+def test_search_budget_forgets_old_credit():
+    budget = SearchBudget(share=0.05)
+    for _ in range(20000):  # an idle hour of steps without searches
+        budget.tick(0.04)
+    runs = 0
+    while budget.allows():  # a burst of back-to-back searches: only a few, not the hour's 5%
+        budget.spend(0.6)
+        budget.tick(0.6)
+        runs += 1
+    assert 1 <= runs <= 5

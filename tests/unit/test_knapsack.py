@@ -244,6 +244,33 @@ def test_policy_history_interval_and_weight_change():
     assert p.wants_optimise(st)
 
 
+def test_a_request_drafts_with_the_latest_search_until_its_own(monkeypatch):
+    from vllm_selfspec.policies import knapspec
+
+    p = _policy()
+    p.latency = LatencyModel(t_mlp=1e-3, c2=1e-7, c3=5e-4, t_head=1e-3)
+    found = []  # the search's results, in order: (skip_attn, skip_mlp, gamma)
+
+    def search(*args, **kwargs):
+        skip_attn, skip_mlp, gamma = found.pop(0)
+        return knapspec.knapsack.Choice(skip_attn, skip_mlp, gamma, 0.9, 50.0, (1, 2), 1, 8)
+
+    monkeypatch.setattr(knapspec.knapsack, "search", search)
+    model = type("Model", (), {"predict": None, "predict_target": None})()
+    a, b = p.new_state(), p.new_state()
+    assert p.propose(b).num_tokens == 0  # no search anywhere yet: plain decode
+    p.observe(a, _feedback(n=20, m=8))
+    found.append(((1,), (0, 2), 3))
+    p.optimise(a, model)  # request a's search
+    assert p.propose(a).num_tokens == 3 and p.propose(a).plan.attn == (True, False, True)
+    assert p.propose(b) is p.propose(a)  # b has no search of its own yet: a's choice
+    p.observe(b, _feedback(n=20, m=8))
+    assert p.wants_optimise(b)  # ... and b still asks for its own search
+    found.append(((), (), 0))
+    p.optimise(b, model)  # b's own search: drafting does not pay for it
+    assert p.propose(b).num_tokens == 0 and p.propose(a).num_tokens == 3
+
+
 def test_latency_target_head():
     lm = LatencyModel(t_mlp=1e-3, c2=0.0, c3=1e-3, t_head=1e-3, t_target_head=5e-3)
     assert lm.target_seconds(2, 10) == pytest.approx(5e-3 + 2 * 2e-3)

@@ -24,8 +24,8 @@ import torch
 
 from .. import compat
 from ..config import SelfSpecConfig
-from ..goodput import (AcceptanceTracker, Candidate, GoodputController, StepCostModel,
-                       prefer_free)
+from ..goodput import (AcceptanceTracker, Candidate, GoodputController, SearchBudget,
+                       StepCostModel, prefer_free)
 from ..lookup import ContextIndex, SharedIndex
 from ..policies import DraftDecision, Feedback
 from .adadecode import DeferredEngine
@@ -127,6 +127,8 @@ class SelfSpecProposer:
         self._rates: dict[str, Any] = {}
         #: the batch-wide choice of draft lengths (None: each policy's own lengths)
         self.controller = GoodputController(self.costs) if self.config.goodput else None
+        #: under the controller, plan searches (KnapSpec's) take at most a share of the time
+        self.search_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
         #: the match lengths of the lookup drafts each request awaits verification of
         self.lookup = self.config.lookup
@@ -275,13 +277,12 @@ class SelfSpecProposer:
 
         # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
         # not while the controller runs no self-drafts, only around them and before a probe
-        feedback_due = self.controller is None or self.controller.self_feedback_due()
-        search_due = self.controller is None or self.controller.self_feedback_due(search=True)
+        feedback_due, search_due = self._feedback_due()
         captured: dict[int, tuple] = {}
-        if self.capture_layers and aux_hidden_states is not None:
+        if self.capture_layers and aux_hidden_states is not None and feedback_due:
             with st.timer("shadow"):
-                rows = [i for i, _, state in entries if not self.policy.shadow
-                        or (feedback_due and self.policy.wants_shadow(state))]
+                rows = [i for i, _, state in entries
+                        if not self.policy.shadow or self.policy.wants_shadow(state)]
                 captured = self._capture(ib, rows, sampled_token_ids, scheduled,
                                          aux_hidden_states, common_attn_metadata)
 
@@ -339,9 +340,15 @@ class SelfSpecProposer:
             # (a step with a prefill chunk tells nothing about decoding: seconds 0 skips it)
             self.controller.settle(emitted, len(entries),
                                    target_seconds + self._last_seconds if decode_step else 0.0)
+        if self.search_budget is not None:
+            self.search_budget.tick(target_seconds + self._last_seconds)
+            due = due[:1]  # one search a step at most, within the budget
         if due:
+            t_search = time.perf_counter()
             with st.timer("optimise"):
                 self._optimise(runner, due)
+            if self.search_budget is not None:
+                self.search_budget.spend(time.perf_counter() - t_search)
         lookups: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (tokens, matches)
         with st.timer("policy"):
             for i, req_id, state in entries:
@@ -380,6 +387,19 @@ class SelfSpecProposer:
         return drafts
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
+    def _feedback_due(self) -> tuple[bool, bool]:
+        """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
+        and shadow projections, a plan search). Without the controller always; with it, around
+        self-drafts and before probes (``GoodputController.self_feedback_due``), a search also
+        within its time budget. Under TP rank 0's answer (a search runs collectives)."""
+        if self.controller is None:
+            return True, True
+        feedback = self.controller.self_feedback_due()
+        search = self.controller.self_feedback_due(search=True) and self.search_budget.allows()
+        if self._tp > 1:
+            feedback, search = compat.broadcast_from_tp_rank0((feedback, search))
+        return feedback, search
+
     def _lookup(self, ib, i: int, req_id: str, n: int, room: int):
         """The request's lookup draft (tokens, match lengths), its index brought up to date."""
         index = self._indexes.get(req_id)

@@ -13,6 +13,9 @@ Per request:
   runs ``optimise`` with sub-layers on the live model over the request's own KV cache; the DP
   (τ = ``tau``) and the TPT grid search over γ ≤ D (``num_speculative_tokens``) pick the skip set
   and draft length. The sub-layer latency model is measured by the engine at start-up.
+* **Before its own search** a request drafts with the latest search's choice (any request's):
+  under the goodput controller searches wait for their time budget (``goodput.SearchBudget``),
+  and the skip set that suits one request of a model is a good start for the next.
 * **Drafting** with that skip set for γ tokens, stopping early when a draft token's top-1
   probability falls below ``min_confidence`` (0.7; dynamic draft exit).
 
@@ -88,6 +91,8 @@ class KnapSpecPolicy(Policy):
         L = model.num_layers
         self.capture_layers = tuple(range(L + 1))
         self.no_draft = DraftDecision(LayerPlan.full(L), 0)
+        #: the latest search's decision: a request drafts with it until its own search
+        self.latest: DraftDecision | None = None
 
     def new_state(self) -> KnapSpecState:
         return KnapSpecState()
@@ -141,9 +146,10 @@ class KnapSpecPolicy(Policy):
         else:
             plan = LayerPlan.skip(self.model.num_layers, choice.skip_attn, choice.skip_mlp)
             state.decision = DraftDecision(plan, choice.gamma, self.min_confidence)
+        self.latest = state.decision
 
     def propose(self, state: KnapSpecState) -> DraftDecision:
-        return state.decision or self.no_draft
+        return state.decision or self.latest or self.no_draft
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.name, "interval": self.interval,
