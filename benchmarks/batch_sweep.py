@@ -79,6 +79,26 @@ def summarize(out: Path) -> str:
         fig.tight_layout()
         fig.savefig(out / f"{prompts}.png", dpi=110)
         plt.close(fig)
+        lines += ["", "Where the emitted tokens came from (lookup drafts / self-drafts / the target's "
+                  "own token each step), selfspec's time (draft / verify = target forward / "
+                  "policy / shadow / optimise / controller) and draft forwards per engine step:",
+                  "", "| method | batch | lookup / self-draft / target | time shares | "
+                  "draft forwards / step |", "|---|---|---|---|---|"]
+        for name in methods:
+            for b in sizes:
+                m = by_bs[b]["methods"].get(name) or {}
+                st = m.get("selfspec_stats")
+                if not st:
+                    continue
+                src = st["token_sources"]
+                total = max(sum(src.values()), 1)
+                share = m["time_breakdown"]["share"]
+                lines.append(
+                    f"| {name} | {b} | " + " / ".join(
+                        f"{100 * src[k] / total:.0f}%" for k in ("lookup", "self_draft", "target"))
+                    + " | " + " / ".join(f"{100 * share.get(k, 0):.0f}%" for k in (
+                        "draft", "verify", "policy", "shadow", "optimise", "controller"))
+                    + f" | {st['draft_forwards'] / max(st['steps'], 1):.2f} |")
         cmd = next(iter(by_bs.values()))["settings"]["command_line"]
         lines += ["", f"One run's command: `{cmd}`", ""]
     text = "\n".join(lines)

@@ -18,8 +18,10 @@ import vllm_selfspec
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
-PROMPTS = ["def is_prime(n):", "The three primary colours are", "Write a limerick about a cat."]
-LAYERS = (8, 16, 24)
+PROMPTS = ["def is_prime(n):", "The three primary colours are", "Write a limerick about a cat.",
+           # repetitive text, where deep exits agree with the model often enough to draft
+           "Copy the line.\n" + "red green blue yellow, red green blue yellow,\n" * 12]
+LAYERS = (16, 24, 28)
 
 
 def _heads(model_path: str, out, fingerprint: str | None = None):
@@ -47,6 +49,9 @@ def test_del_with_heads_keeps_parity(model_path, tmp_path):
     assert stats["policy"]["exit_layers"] == list(LAYERS)  # exits default to the head layers
     # every request's prefill rows were projected at every head layer (later rounds back off)
     assert stats["shadow_rows"] >= len(LAYERS) * len(PROMPTS) * 4
+    # it drafted through the loaded heads, and some drafts were accepted: parity proves something
+    assert stats["drafted_tokens"] > 0 and stats["accepted_tokens"] > 0
+    assert any("head=heads@" in plan for plan in stats["plan_hist"])
 
 
 def test_heads_of_another_model_are_refused_at_startup(model_path, tmp_path, monkeypatch):

@@ -37,8 +37,9 @@ CONFIGS = {
     "shallow": {"method": "layerskip", "exit_layer": 6, "num_speculative_tokens": 4},
     "skip": {"method": "layerskip", "skip_attn": [3, 7, 11, 15, 19], "skip_mlp": [5, 9, 13],
              "num_speculative_tokens": 3},
-    # DEL with the raw LM head: shadow tokens every round; it drafts only when an exit pays off
-    "del": {"method": "del", "shadow_every": 1},
+    # DEL with the raw LM head: shadow tokens every round; it drafts only when an exit pays off,
+    # which deep exits do where the text repeats (the long prompt below)
+    "del": {"method": "del", "shadow_every": 1, "exit_layers": [16, 20, 24, 28]},
     # the full model drafting through the reduced vocabulary (the embedded model's cached map)
     "vocab": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3,
               "draft_vocab_size": 4096},
@@ -64,11 +65,10 @@ def test_greedy_parity(model_path, vanilla, name):
         for i, (want, got) in enumerate(zip(vanilla[bs], out[bs])):
             assert got == want, f"{name} {bs} prompt {i}: tokens differ from vanilla vLLM"
     if name == "del":
-        # every request's prefill rows were projected at 6 exit layers (later rounds back off)
-        assert stats["shadow_rows"] >= 6 * 2 * len(PROMPTS) * 4
-        assert stats["accepted_tokens"] <= stats["drafted_tokens"]
-        return
+        # every request's prefill rows were projected at its 4 exit layers (later rounds back off)
+        assert stats["shadow_rows"] >= 4 * 2 * len(PROMPTS) * 4
     assert stats["drafted_tokens"] > 0, "the drafter never ran"
+    assert stats["accepted_tokens"] > 0, "no draft was accepted: parity proved nothing"
     if name == "vocab":
         # full-depth drafts miss only where the target's token is outside the 4096 (and the
         # drafts after it); a wrong column -> token mapping would reject nearly everything
@@ -76,5 +76,5 @@ def test_greedy_parity(model_path, vanilla, name):
     elif name == "full":
         # the full model drafting for itself must be accepted every time
         assert stats["accepted_tokens"] == stats["drafted_tokens"]
-    else:
+    elif name != "del":  # shallow drafts: some must be rejected
         assert stats["accepted_tokens"] < stats["drafted_tokens"]
