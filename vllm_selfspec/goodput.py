@@ -32,7 +32,8 @@ Worked example (one step, batch of 2, the costs of this project's CPU at batch 2
 so request a drafts three tokens and request b none; at batch 16 the same request a would draft
 less, because its drafts then lengthen a step that already yields 16 tokens. A request whose
 drafts keep failing drafts nothing; every ``probe_every`` steps (doubling while probes fail) one
-such request drafts a token again, so its estimate can recover.
+such request drafts a token again, so its estimate can recover (self-drafts and lookup drafts
+each on their own clock).
 
 The safety net compares what speculation *achieved* with plain decoding at the same batch size:
 each speculative step's emitted tokens per second over the fitted plain step's (``B / V(B)``).
@@ -354,13 +355,15 @@ class GoodputController:
     max_pause: int = 1024
     _probe_turn: int = 0
     _probe_interval: int = 0
+    _free_interval: int = 0  # the same for lookup drafts
+    _free_idle: int = 0  # steps since a lookup draft was chosen or probed
     _pending: "Choice | None" = None
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
         #: self-drafter must not stop free drafts, nor the other way round
         self.nets = {kind: SafetyNet(self.pause, self.max_pause) for kind in ("paid", "free")}
-        self._probe_interval = self.probe_every
+        self._probe_interval = self._free_interval = self.probe_every
 
     @property
     def achieved(self) -> float:
@@ -418,10 +421,18 @@ class GoodputController:
             if rate > best_rate:
                 best, best_rate = choice, rate
         best.kind = self._kind(cands, best.tokens)
+        chosen_free = any(t and c.free for c, t in zip(cands, best.tokens))
         if best.kind != "paid" and paid.open and paid.idle + 1 >= self._probe_interval:
             best = self._probe(cands, best)  # self-drafts have not run for a while: probe
         elif best.kind == "paid" and not best.probe:
             self._probe_interval = self.probe_every
+        # lookup drafts likewise: an estimate that fell below the bar gets new evidence
+        if chosen_free:
+            self._free_idle, self._free_interval = 0, self.probe_every
+        else:
+            self._free_idle += 1
+            if free.open and self._free_idle >= self._free_interval:
+                best = self._probe(cands, best, free=True)
         for kind, net in self.nets.items():
             net.tick(best.kind == kind)
         self._pending = best if best.kind else None
@@ -465,11 +476,17 @@ class GoodputController:
         tokens = np.bincount(rows[order[:best + 1]], minlength=n)
         return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)
 
-    def _probe(self, cands: list[Candidate], best: Choice) -> Choice:
-        """One self-draft token for one request (round robin), to re-measure acceptance; the
-        next probe comes twice as late unless self-drafting is chosen before it."""
-        self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-        options = [i for i, c in enumerate(cands) if c.max_tokens and not c.free]
+    def _probe(self, cands: list[Candidate], best: Choice, free: bool = False) -> Choice:
+        """One draft token of one request (round robin) that the choice left out, a self-draft
+        (or, ``free``, a lookup draft), to re-measure acceptance; the next probe of that kind
+        comes twice as late unless such drafts are chosen before it."""
+        if free:
+            self._free_interval = min(2 * self._free_interval, self.max_probe_every)
+            self._free_idle = 0
+        else:
+            self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+        options = [i for i, c in enumerate(cands)
+                   if c.max_tokens and c.free == free and not best.tokens[i]]
         if not options:
             return best
         i = options[self._probe_turn % len(options)]
@@ -478,7 +495,7 @@ class GoodputController:
         tokens[i] = 1
         expected = best.expected_tokens + float(cands[i].accept[0])
         return Choice(tokens, expected, float("nan"), best.plain_seconds, probe=True,
-                      kind="paid")
+                      kind=self._kind(cands, tokens))
 
     # ---- what happened ---------------------------------------------------------------------
     def settle(self, emitted: int, requests: int, seconds: float) -> None:
