@@ -320,10 +320,12 @@ class SearchBudget:
     """The share of the engine's time that plan searches (KnapSpec's) may take: a search is
     allowed while the searches' seconds stay within ``share`` of all seconds (steps and searches
     together), both as sums decayed per step, so old searches fade and a burst cannot spend
-    credit saved up over an idle hour. Example: at 40 ms a step and 0.6 s a search, a 5% budget
-    allows one search in about 285 steps once the sums are settled."""
+    credit saved up over an idle hour. 2%: a method must stay within 3% of plain decoding when
+    its drafts do not pay, and the speculative path's own per-step work takes about 1-2% on this
+    project's CPU. Example: at 40 ms a step and 0.6 s a search, a 2% budget allows one search in
+    about 735 steps once the sums are settled."""
 
-    share: float = 0.05
+    share: float = 0.02
     DECAY = 0.999
     spent: float = 0.0  # decayed seconds of searches
     elapsed: float = 0.0  # decayed seconds of steps and searches
