@@ -72,3 +72,30 @@ def save_built_heads(model_path: str, out, kind: str, layers) -> str:
     torch.manual_seed(0)
     heads = {layer: make_head(kind, identity.hidden_size) for layer in layers}
     return str(save_heads(out, HeadSet(kind, heads, identity), training={"built": "test"}))
+
+
+def save_passthrough_top(model_path: str, out, keep: int) -> str:
+    """A copy of the checkpoint at ``model_path`` whose decoder layers from ``keep`` on pass the
+    residual stream through unchanged (their attention output and MLP down projections zeroed).
+    An exit at layer ``keep`` then names the model's own next token by construction, so drafting
+    methods whose choices depend on measured acceptance (DEL) draft and are accepted, whatever
+    the machine: a test on it can assert that drafts were made and kept."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_path), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith("."):
+            shutil.copy(f, out / f.name)
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if (name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                    and "layers" in parts and int(parts[parts.index("layers") + 1]) >= keep):
+                t.zero_()
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+    return str(out)

@@ -347,8 +347,9 @@ class GoodputController:
     """Chooses every request's draft length together, from measured costs and acceptance."""
 
     costs: StepCostModel
-    #: speculation must beat plain decoding's predicted goodput by this share to run
-    margin: float = 0.03
+    #: drafts must be expected to emit this share more tokens than plain decoding would in the
+    #: seconds they add (a margin on the speculative part of the step, not the whole step)
+    margin: float = 0.1
     #: steps without self-drafts after which one request probes (doubles while they do not pay)
     probe_every: int = 16
     max_probe_every: int = 512
@@ -415,12 +416,12 @@ class GoodputController:
             scaled.append(Candidate(c.max_tokens, net.token_calibration() * c.accept,
                                     t * c.row_seconds, t * c.plan_seconds, c.free))
         best = Choice([0] * n, float(n), plain, plain)
-        best_rate = n / plain * (1.0 + self.margin)
+        best_rate = n / plain
         depth = max((c.max_tokens for c in scaled if not c.free), default=0)
         for steps in range(depth + 1):
             choice = self._best_for_depth(scaled, steps, base, plain, v1)
             rate = choice.expected_tokens / choice.expected_seconds
-            if rate > best_rate:
+            if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
         best.kind = self._kind(cands, best.tokens)
         chosen_free = any(t and c.free for c, t in zip(cands, best.tokens))
@@ -439,6 +440,17 @@ class GoodputController:
             net.tick(best.kind == kind)
         self._pending = best if best.kind else None
         return best
+
+    def _clears_margin(self, choice: Choice, base: float) -> bool:
+        """Whether a choice's expected extra tokens beat what plain decoding would emit in its
+        extra seconds by ``margin``: the margin covers errors in the *speculative* part of the
+        step. (A margin on the whole step's rate would ask a lone drafting request at batch 16
+        to lift the whole batch's rate by 3%, which its drafts alone cannot, so nothing would
+        ever draft at large batch sizes however well it pays.)"""
+        extra_seconds = choice.expected_seconds - choice.plain_seconds
+        extra_tokens = choice.expected_tokens - base
+        plain_rate = base / choice.plain_seconds
+        return extra_tokens > (1.0 + self.margin) * plain_rate * extra_seconds
 
     @staticmethod
     def _kind(cands: list[Candidate], tokens: list[int]) -> str:

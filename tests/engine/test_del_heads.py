@@ -3,7 +3,11 @@ loaded into the engine's head slots and used for shadow tokens; output parity is
 
 The head set here is built, not trained (AdaDecode heads at their identity initialisation, saved
 in the real format for the embedded model), so the test is fast and exercises every piece of the
-wiring; `tests/unit/test_heads*.py` covers training.
+wiring; `tests/unit/test_heads*.py` covers training. The parity test serves the embedded model with
+its top layers passed through (``save_passthrough_top``): the head at the deepest exit then names
+the model's next token by construction, so DEL drafts and its drafts are kept on any machine
+(identity heads on the real model agree too rarely for DEL's cost model to draft, and a parity
+test whose method drafted nothing proves nothing).
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from selfspec_testing import engine, token_ids
+from selfspec_testing import engine, save_passthrough_top, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -19,9 +23,10 @@ from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
 PROMPTS = ["def is_prime(n):", "The three primary colours are", "Write a limerick about a cat.",
-           # repetitive text, where deep exits agree with the model often enough to draft
            "Copy the line.\n" + "red green blue yellow, red green blue yellow,\n" * 12]
-LAYERS = (16, 24, 28)
+LAYERS = (12, 18, 24)
+#: layers from here on pass the residual stream through in the parity test's model
+PASSTHROUGH = 24
 
 
 def _heads(model_path: str, out, fingerprint: str | None = None):
@@ -36,11 +41,14 @@ def _heads(model_path: str, out, fingerprint: str | None = None):
 
 
 def test_del_with_heads_keeps_parity(model_path, tmp_path):
+    model_path = save_passthrough_top(model_path, tmp_path / "model", PASSTHROUGH)
     path = _heads(model_path, tmp_path / "heads")
     sp = SamplingParams(temperature=0, max_tokens=32)
     with engine(model_path, max_num_seqs=4) as llm:
         want = token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
-    spec = {"method": "del", "heads": str(path), "shadow_every": 1}
+    # omega 0.5: the statistics forget the prompt rows (scored against the prompt's own text, not
+    # the model's predictions) within a few rounds, so the exact exit's acceptance shows at once
+    spec = {"method": "del", "heads": str(path), "shadow_every": 1, "omega": 0.5}
     with engine(model_path, max_num_seqs=4, speculative_config=spec) as llm:
         got = token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))
         stats = vllm_selfspec.get_stats(llm)
