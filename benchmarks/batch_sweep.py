@@ -5,9 +5,10 @@ table and one plot per prompt set (speedup over vanilla of the same run, per met
         --batch-sizes 1,8 --methods ngram,auto,layerskip --num-prompts 16 --max-tokens 64 \
         --repeats 3 [--method-config '{...}']
 
-Each (prompt set, batch size) is one bench run in OUT/<prompts>-bs<B>/ (vanilla first, every
-method in its own process, medians of the repeats); runs already there are kept (delete a
-directory to redo it). Writes OUT/summary.md and OUT/<prompts>.png.
+Each (prompt set, batch size) is one bench run in OUT/<prompts>-bs<B>/ (every method in its own
+process, in groups of --group-size beside a vanilla engine with their repeats interleaved; the
+speedup is the median of the per-round ratios); runs already there are kept (delete a directory
+to redo it). Writes OUT/summary.md and OUT/<prompts>.png.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def run(args) -> None:
             cmd = [sys.executable, "-m", "vllm_selfspec.bench", "--methods", args.methods,
                    "--prompts", prompts, "--num-prompts", str(args.num_prompts),
                    "--max-tokens", str(args.max_tokens), "--batch-size", bs,
-                   "--repeats", str(args.repeats), "--out", str(target)]
+                   "--repeats", str(args.repeats), "--group-size", str(args.group_size),
+                   "--out", str(target)]
             if args.method_config:
                 cmd += ["--method-config", args.method_config]
             print("+", " ".join(cmd), flush=True)
@@ -49,7 +51,7 @@ def summarize(out: Path) -> str:
         sizes = sorted(by_bs)
         methods = list(next(iter(by_bs.values()))["methods"])
         lines += [f"### {prompts}", "",
-                  "speedup over vanilla of the same run (tokens/s, median of the repeats); "
+                  "speedup over vanilla of the same run (tokens/s, median of the per-round ratios); "
                   "acceptance; parity with vanilla", "",
                   "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
                   "|---|" + "---|" * len(sizes)]
@@ -116,6 +118,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--group-size", type=int, default=3)
     p.add_argument("--method-config", default=None)
     p.add_argument("--summary-only", action="store_true")
     args = p.parse_args()

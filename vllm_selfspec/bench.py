@@ -4,14 +4,20 @@
         --max-tokens 128 --batch-size 8 --repeats 3 --out bench-out
     python -m vllm_selfspec.bench ...   (same arguments)
 
-Each method runs in its own fresh subprocess (one engine in memory at a time), sequentially,
-with greedy sampling. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``;
-each worker's log goes to ``OUT/logs/<method>.log``.
+Each method runs in its own subprocess and engine, with greedy sampling. The methods run in
+groups of ``--group-size``, each group live at once beside its own vanilla engine, and their timed
+repeats are *interleaved*: round r runs vanilla, then each method of the group, once each (with a
+pause between runs so an idle engine's polling has stopped). A method's speedup is the median over
+rounds of its tokens/s over vanilla's tokens/s of the same round, so a machine that speeds up or
+slows down over minutes (thermal limits, neighbours on a shared host) moves both alike. Writes
+``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
+``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import statistics
@@ -32,8 +38,13 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     "layerskip": {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 1},
 }
 #: engine settings shared by every method
+#: the KV cache is sized in bytes (2 GiB: ~44k tokens of the embedded model), not as a share of
+#: the free memory, so a group of engines fits in memory at once
 ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=2048,
-                   gpu_memory_utilization=0.35, seed=0, disable_log_stats=False)
+                   kv_cache_memory_bytes=2 << 30, seed=0, disable_log_stats=False)
+#: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
+#: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
+SETTLE_S = 1.5
 WARMUP_TOKENS = 16
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
                  "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -53,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="the engine's max_num_seqs")
     parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls per method")
+    parser.add_argument("--group-size", type=int, default=3,
+                        help="methods live at once beside a vanilla engine, their repeats "
+                             "interleaved (each engine needs ~3.5 GB of memory)")
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     parser.add_argument("--quality", action="store_true",
@@ -123,7 +137,9 @@ def _spec_counters(llm) -> dict[str, float]:
 
 
 def _worker(spec_path: str) -> int:
-    """Runs one method: load, warm up, R timed generate() calls; writes the result JSON."""
+    """Runs one method: load, warm up, then one timed generate() call per "run" line read from
+    the parent's command pipe (answering each with its wall time and tokens); on "stop", writes
+    the result JSON."""
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     import torch
     import vllm
@@ -142,49 +158,148 @@ def _worker(spec_path: str) -> int:
         get_stats(llm, reset=True)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
     before = _spec_counters(llm)
-    runs, token_ids, deterministic = [], None, True
-    for _ in range(spec["repeats"]):
-        if selfspec:  # each repeat drafts only from its own requests' outputs, never the last's
-            forget_outputs(llm)
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        ids = [list(o.outputs[0].token_ids) for o in outputs]
-        runs.append({"wall_s": wall, "tokens": sum(map(len, ids))})
-        if token_ids is None:
-            token_ids = ids
-        elif ids != token_ids:  # greedy decoding should repeat itself exactly
-            deterministic = False
-    after = _spec_counters(llm)
-    result = {"runs": runs, "token_ids": token_ids, "deterministic": deterministic,
-              "counters": {k: after[k] - before[k] for k in SPEC_COUNTERS},
-              "selfspec_stats": get_stats(llm) if selfspec else None,
-              "vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads()}
-    Path(spec["result_path"]).write_text(json.dumps(result), encoding="utf-8")
+    token_ids, deterministic = None, True
+    with os.fdopen(spec["cmd_fd"], "r") as cmds, os.fdopen(spec["res_fd"], "w") as res:
+        res.write("ready\n")
+        res.flush()
+        for line in cmds:
+            if line.strip() != "run":
+                break
+            if selfspec:  # each repeat drafts only from its own requests' outputs, never the last's
+                forget_outputs(llm)
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            ids = [list(o.outputs[0].token_ids) for o in outputs]
+            if token_ids is None:
+                token_ids = ids
+            elif ids != token_ids:  # greedy decoding should repeat itself exactly
+                deterministic = False
+            res.write(json.dumps({"wall_s": wall, "tokens": sum(map(len, ids))}) + "\n")
+            res.flush()
+        after = _spec_counters(llm)
+        result = {"token_ids": token_ids, "deterministic": deterministic,
+                  "counters": {k: after[k] - before[k] for k in SPEC_COUNTERS},
+                  "selfspec_stats": get_stats(llm) if selfspec else None,
+                  "vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads()}
+        Path(spec["result_path"]).write_text(json.dumps(result), encoding="utf-8")
+        res.write("done\n")
+        res.flush()
     return 0
 
 
-def _run_worker(name: str, spec: dict, log_path: Path, tmp: Path) -> dict:
-    spec_path, result_path = tmp / f"{name}.spec.json", tmp / f"{name}.result.json"
-    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}), encoding="utf-8")
-    cmd = [sys.executable, "-m", "vllm_selfspec.bench", "--_worker", str(spec_path)]
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not result_path.is_file():
-        tail = "".join(log_path.read_text(encoding="utf-8", errors="replace")
-                       .splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"method {name!r} failed (exit code {proc.returncode}); "
-                           f"full log: {log_path}\n--- last lines ---\n{tail}")
-    result = json.loads(result_path.read_text(encoding="utf-8"))
-    # vLLM's CPU backend pins the model worker's OpenMP threads; its log says to which cores
-    log_text = log_path.read_text(encoding="utf-8", errors="replace")
-    cores = re.search(r"core ids=\[([^\]]*)\]", log_text)
-    result["engine_omp_cores"] = f"[{cores.group(1)}]" if cores else None
-    return result
+class _Engine:
+    """The parent's handle on one method's worker process (see ``_worker``)."""
+
+    def __init__(self, name: str, spec: dict, log_path: Path, tmp: Path) -> None:
+        self.name, self.log_path = name, log_path
+        self.result_path = tmp / f"{log_path.stem}.result.json"
+        cmd_r, self._cmd_w = os.pipe()
+        self._res_r, res_w = os.pipe()
+        spec_path = tmp / f"{log_path.stem}.spec.json"
+        spec_path.write_text(json.dumps({**spec, "result_path": str(self.result_path),
+                                         "cmd_fd": cmd_r, "res_fd": res_w}), encoding="utf-8")
+        self._log = open(log_path, "w", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_selfspec.bench", "--_worker", str(spec_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(cmd_r, res_w))
+        os.close(cmd_r)
+        os.close(res_w)
+        self._cmds = os.fdopen(self._cmd_w, "w")
+        self._res = os.fdopen(self._res_r, "r")
+        self.runs: list[dict] = []
+
+    def _answer(self) -> str:
+        line = self._res.readline()
+        if not line:  # the worker died
+            self.proc.wait()
+            tail = "".join(self.log_path.read_text(encoding="utf-8", errors="replace")
+                           .splitlines(keepends=True)[-30:])
+            raise RuntimeError(f"method {self.name!r} failed (exit code {self.proc.returncode});"
+                               f" full log: {self.log_path}\n--- last lines ---\n{tail}")
+        return line.strip()
+
+    def ready(self) -> None:
+        self._answer()
+
+    def run(self) -> dict:
+        self._cmds.write("run\n")
+        self._cmds.flush()
+        run = json.loads(self._answer())
+        self.runs.append(run)
+        return run
+
+    def finish(self) -> dict:
+        self._cmds.write("stop\n")
+        self._cmds.flush()
+        self._answer()
+        self.proc.wait()
+        self._cmds.close()
+        self._res.close()
+        self._log.close()
+        result = json.loads(self.result_path.read_text(encoding="utf-8"))
+        result["runs"] = self.runs
+        # vLLM's CPU backend pins the model worker's OpenMP threads; its log says to which cores
+        log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        cores = re.search(r"core ids=\[([^\]]*)\]", log_text)
+        result["engine_omp_cores"] = f"[{cores.group(1)}]" if cores else None
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def run_interleaved(configs: dict[str, dict | None], base: dict, repeats: int, group_size: int,
+                    logs: Path, tmp: Path) -> tuple[dict[str, dict], dict[str, list[float]]]:
+    """Every method's raw result, and its per-round tokens/s ratios against the vanilla run of
+    the same round (vanilla's raw result holds the runs of every group)."""
+    others = [n for n in configs if n != "vanilla"]
+    groups = [others[i:i + group_size] for i in range(0, len(others), group_size)] or [[]]
+    raw: dict[str, dict] = {}
+    ratios: dict[str, list[float]] = {n: [] for n in configs}
+    vanilla_runs: list[dict] = []
+    for g, group in enumerate(groups):
+        names = ["vanilla", *group]
+        print(f"[bench] group {g + 1}/{len(groups)}: " + ", ".join(
+            f"{n} {json.dumps(configs[n])}" for n in names), flush=True)
+        t0 = time.perf_counter()
+        engines: dict[str, _Engine] = {}
+        try:
+            for n in names:
+                log = logs / (f"vanilla-g{g + 1}.log" if n == "vanilla" and len(groups) > 1
+                              else f"{n}.log")
+                engines[n] = _Engine(n, {**base, "config": configs[n]}, log, tmp)
+            for e in engines.values():
+                e.ready()
+            for _ in range(repeats):
+                tps = {}
+                for n in names:
+                    time.sleep(SETTLE_S)
+                    run = engines[n].run()
+                    tps[n] = run["tokens"] / run["wall_s"]
+                for n in names:
+                    ratios[n].append(tps[n] / tps["vanilla"])
+            results = {n: e.finish() for n, e in engines.items()}
+        finally:
+            for e in engines.values():
+                e.kill()
+        vanilla_runs += results["vanilla"]["runs"]
+        raw.update({n: r for n, r in results.items() if n != "vanilla"})
+        raw.setdefault("vanilla", results["vanilla"])
+        print(f"[bench] group {g + 1}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    raw["vanilla"]["runs"] = vanilla_runs
+    ratios["vanilla"] = [1.0] * len(vanilla_runs)
+    return raw, ratios
 
 
 # ----------------------------------------------------------------------------- summaries
-def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
+def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int,
+              ratios: list[float] | None = None) -> dict:
+    """One method's figures; ``ratios``: its tokens/s over vanilla's, per interleaved round (the
+    speedup is their median; without them, the ratio of the two medians)."""
     from .config import methods as selfspec_methods
 
     tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
@@ -205,11 +320,13 @@ def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int) -> dict:
         breakdown = {"seconds": t, "share": {k: (v / t["total"] if t["total"] else None)
                                              for k, v in t.items() if k != "total"}}
     ref_tps = statistics.median(r["tokens"] / r["wall_s"] for r in ref["runs"])
+    speedup = statistics.median(ratios) if ratios else tps / ref_tps
     same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
     return {
         "tokens_per_s": tps,
         "tokens_per_s_runs": tps_runs,
-        "speedup": tps / ref_tps,
+        "speedup": speedup,
+        "speedup_runs": ratios,
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
         if spec and c["draft_tokens"] else None,
         "mean_accepted_tokens": c["accepted_tokens"] / c["drafts"]
@@ -313,7 +430,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         configs = method_configs(args.methods, args.method_config)
-        for flag in ("num_prompts", "max_tokens", "batch_size", "repeats"):
+        for flag in ("num_prompts", "max_tokens", "batch_size", "repeats", "group_size"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
         model = resolve_model(args.model)
@@ -328,19 +445,15 @@ def main(args: argparse.Namespace) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     base = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens,
             "batch_size": args.batch_size, "repeats": args.repeats}
-    raw: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
-        for name, cfg in configs.items():
-            print(f"[bench] {name}: {json.dumps(cfg)}", flush=True)
-            t0 = time.perf_counter()
-            try:
-                raw[name] = _run_worker(name, {**base, "config": cfg},
-                                        out / "logs" / f"{name}.log", Path(tmp))
-            except RuntimeError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
-            print(f"[bench] {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-    methods = {n: summarize(configs[n], raw[n], raw["vanilla"], num_layers) for n in configs}
+        try:
+            raw, ratios = run_interleaved(configs, base, args.repeats, args.group_size,
+                                          out / "logs", Path(tmp))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    methods = {n: summarize(configs[n], raw[n], raw["vanilla"], num_layers, ratios[n])
+               for n in configs}
     settings = {k: v for k, v in vars(args).items()  # a CLI may add e.g. a handler function
                 if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
     settings.update(model_path=model, num_layers=num_layers, num_prompts_loaded=len(prompts),
