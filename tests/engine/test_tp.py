@@ -1,14 +1,17 @@
 """Tensor parallelism: TP=2 with vLLM's multiprocessing backend on CPU, every selfspec method.
 
 A tiny random-weight Llama (4 layers, 4 heads / 2 KV heads, so both divide over 2 ranks; the
-embeddings are scaled up so that shallow exits mostly agree with the full model and every method
-really drafts). Greedy output must equal vanilla vLLM's with the same TP, and every rank must
-have taken the same decisions (its statistics are replicas of rank 0's).
+embeddings are scaled up so that shallow exits mostly agree with the full model, and layers 2 and 3
+pass the residual stream through, so an exit at layer 2, or a skip set of those sub-layers, names
+the model's own next token: every method drafts and has drafts accepted, KnapSpec's search
+included). Greedy output must equal vanilla vLLM's with the same TP, and every rank must have
+taken the same decisions (its statistics are replicas of rank 0's).
 """
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
+from selfspec_testing import (engine, save_built_heads, save_passthrough_top, save_tiny_llama,
+                              token_ids)
 from vllm import SamplingParams
 
 import vllm_selfspec
@@ -31,9 +34,8 @@ SPECS = {
     # confident and every round predicts early (the TP mechanics are what is tested here)
     "adadecode": {"method": "adadecode", "num_speculative_tokens": 3, "threshold": 0.001},
 }
-#: the counter that shows the method did its work (KnapSpec's search may find that no skip set
-#: pays off on this model and choose a draft length of 0: then only its search has run)
-EXERCISED = {"layerskip": "drafted_tokens", "del": "drafted_tokens", "knapspec": "optimisations",
+#: besides drafts made and accepted, the counter that shows the method did its own work
+EXERCISED = {"layerskip": "drafted_tokens", "del": "shadow_rows", "knapspec": "optimisations",
              "cascade": "drafted_tokens", "adadecode": "drafted_tokens"}
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]}
            for i in range(6)]
@@ -48,7 +50,8 @@ def tp_env():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
+    random = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
+    return save_passthrough_top(random, tmp_path_factory.mktemp("tiny-llama-tp-2"), keep=2)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def test_tp2_auto_under_the_goodput_controller(tiny_model, tp_env, vanilla):
         out = _generate(llm)
         ranks = llm.collective_rpc("selfspec_stats")
     assert out == vanilla
-    assert ranks[0]["drafted_tokens"] > 0
+    assert ranks[0]["drafted_tokens"] > 0 and ranks[0]["accepted_tokens"] > 0
     same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "lookup_drafted_tokens",
             "controller_cut_tokens", "controller_plain_steps", "controller_probes")
     assert {k: ranks[1][k] for k in same} == {k: ranks[0][k] for k in same}
@@ -100,6 +103,8 @@ def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
         stats = vllm_selfspec.get_stats(llm)
     assert out == vanilla
     assert len(ranks) == 2 and stats[EXERCISED[method]] > 0
+    assert stats["drafted_tokens"] > 0, "the drafter never ran"
+    assert stats["accepted_tokens"] > 0, "no draft was accepted: parity proved nothing"
     same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "plan_hist",
             EXERCISED[method]) + (("cascade_exits",) if method in ("cascade", "adadecode")
                                   else ())
