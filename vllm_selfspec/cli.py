@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="vanilla vLLM vs a self-spec method on a few prompts")
     p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")
     p.add_argument("--config", default=None,
-                   help="selfspec speculative config as JSON (default: the demo's layerskip)")
+                   help='selfspec speculative config as JSON (default: {"method": "auto"})')
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=_demo)
 

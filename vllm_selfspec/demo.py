@@ -1,14 +1,15 @@
 """``vllm-selfspec demo``: vanilla vLLM and a self-spec method on a few prompts, side by side.
 
-Each engine runs in its own process (the bench worker), with the same settings and greedy
-decoding; prints both texts, tokens/s, acceptance and whether the tokens are identical.
+Each engine runs in its own process (the bench workers, both live at once, the timed runs back to
+back), with the same settings and greedy decoding; prints both texts, tokens/s, acceptance and
+whether the tokens are identical.
 """
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-from .bench import _run_worker
+from .bench import run_interleaved
 from .models import resolve_model
 from .prompts import load_prompts
 
@@ -26,14 +27,12 @@ def run_demo(model: str | None = None, speculative_config: dict | None = None,
     prompts = load_prompts("chat", 3, model) + load_prompts("humaneval", 1, model)
     tok = AutoTokenizer.from_pretrained(model)
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens,
-            "batch_size": len(prompts), "repeats": 1}
+            "batch_size": len(prompts)}
+    print(f"running vanilla vLLM and {cfg} ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="selfspec-demo-") as tmp:
-        print("running vanilla vLLM ...", flush=True)
-        van = _run_worker("vanilla", {**spec, "config": None}, Path(tmp) / "vanilla.log",
-                          Path(tmp))
-        print(f"running {cfg} ...", flush=True)
-        ss = _run_worker("selfspec", {**spec, "config": cfg}, Path(tmp) / "selfspec.log",
-                         Path(tmp))
+        raw, ratios = run_interleaved({"vanilla": None, "selfspec": cfg}, spec, repeats=1,
+                                      group_size=1, logs=Path(tmp), tmp=Path(tmp))
+    van, ss = raw["vanilla"], raw["selfspec"]
     same = 0
     for i, prompt in enumerate(prompts):
         a, b = van["token_ids"][i], ss["token_ids"][i]
@@ -46,6 +45,6 @@ def run_demo(model: str | None = None, speculative_config: dict | None = None,
     c = ss["counters"]
     acc = c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0
     print(f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
-          f"({tps[1] / tps[0]:.2f}x), acceptance {acc:.0%}, "
+          f"({ratios['selfspec'][0]:.2f}x), acceptance {acc:.0%}, "
           f"identical outputs {same}/{len(prompts)}")
     return 0 if same == len(prompts) else 1

@@ -39,3 +39,10 @@ def test_bench_rejects_bad_config_before_running(tmp_path, capsys):
 def test_prepare_model_prints_the_path(model_path, capsys):
     assert main(["prepare-model"]) == 0
     assert capsys.readouterr().out.strip() == model_path
+
+
+def test_demo_runs_vanilla_and_auto_with_identical_outputs(model_path, capsys):
+    """`make demo`'s job, short: both engines run, the outputs are compared and summed up."""
+    assert main(["demo", "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "identical outputs 4/4" in out and "vanilla:" in out and "auto:" in out
