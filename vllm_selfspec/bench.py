@@ -6,10 +6,12 @@
 
 Each method runs in its own subprocess and engine, with greedy sampling. The methods run in
 groups of ``--group-size``, each group live at once beside its own vanilla engine, and their timed
-repeats are *interleaved*: round r runs vanilla, then each method of the group, once each (with a
-pause between runs so an idle engine's polling has stopped). A method's speedup is the median over
-rounds of its tokens/s over vanilla's tokens/s of the same round, so a machine that speeds up or
-slows down over minutes (thermal limits, neighbours on a shared host) moves both alike. Writes
+repeats are *interleaved*: a repeat runs the prompts in slices of twice the batch size, each slice
+by vanilla, then by each method of the group (with a pause between runs so an idle engine's
+polling has stopped). A method's speedup is the median over repeats of its tokens/s over
+vanilla's tokens/s of the same repeat, so a machine whose speed drifts within seconds to minutes
+(seen here: the same plain step at 62 and at 84 ms a minute apart, neighbours on a shared host)
+moves both alike. Writes
 ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
 ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
@@ -44,7 +46,7 @@ ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=2048,
                    kv_cache_memory_bytes=2 << 30, seed=0, disable_log_stats=False)
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
-SETTLE_S = 1.5
+SETTLE_S = 1.2
 WARMUP_TOKENS = 16
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
                  "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -158,23 +160,27 @@ def _worker(spec_path: str) -> int:
         get_stats(llm, reset=True)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
     before = _spec_counters(llm)
-    token_ids, deterministic = None, True
+    token_ids: list = [None] * len(prompts)
+    deterministic = True
     with os.fdopen(spec["cmd_fd"], "r") as cmds, os.fdopen(spec["res_fd"], "w") as res:
         res.write("ready\n")
         res.flush()
-        for line in cmds:
-            if line.strip() != "run":
+        for line in cmds:  # "run START STOP FRESH": prompts[START:STOP]; FRESH: a repeat begins
+            words = line.split()
+            if not words or words[0] != "run":
                 break
-            if selfspec:  # each repeat drafts only from its own requests' outputs, never the last's
+            start, stop, fresh = int(words[1]), int(words[2]), words[3] == "1"
+            if selfspec and fresh:  # a repeat drafts only from its own requests' outputs
                 forget_outputs(llm)
             t0 = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts[start:stop], params, use_tqdm=False)
             wall = time.perf_counter() - t0
             ids = [list(o.outputs[0].token_ids) for o in outputs]
-            if token_ids is None:
-                token_ids = ids
-            elif ids != token_ids:  # greedy decoding should repeat itself exactly
-                deterministic = False
+            for i, x in enumerate(ids, start):
+                if token_ids[i] is None:
+                    token_ids[i] = x
+                elif x != token_ids[i]:  # greedy decoding should repeat itself exactly
+                    deterministic = False
             res.write(json.dumps({"wall_s": wall, "tokens": sum(map(len, ids))}) + "\n")
             res.flush()
         after = _spec_counters(llm)
@@ -207,7 +213,6 @@ class _Engine:
         os.close(res_w)
         self._cmds = os.fdopen(self._cmd_w, "w")
         self._res = os.fdopen(self._res_r, "r")
-        self.runs: list[dict] = []
 
     def _answer(self) -> str:
         line = self._res.readline()
@@ -222,12 +227,11 @@ class _Engine:
     def ready(self) -> None:
         self._answer()
 
-    def run(self) -> dict:
-        self._cmds.write("run\n")
+    def run(self, start: int, stop: int, fresh: bool) -> dict:
+        """One timed generate() over prompts[start:stop] (``fresh``: a repeat begins)."""
+        self._cmds.write(f"run {start} {stop} {int(fresh)}\n")
         self._cmds.flush()
-        run = json.loads(self._answer())
-        self.runs.append(run)
-        return run
+        return json.loads(self._answer())
 
     def finish(self) -> dict:
         self._cmds.write("stop\n")
@@ -238,7 +242,6 @@ class _Engine:
         self._res.close()
         self._log.close()
         result = json.loads(self.result_path.read_text(encoding="utf-8"))
-        result["runs"] = self.runs
         # vLLM's CPU backend pins the model worker's OpenMP threads; its log says to which cores
         log_text = self.log_path.read_text(encoding="utf-8", errors="replace")
         cores = re.search(r"core ids=\[([^\]]*)\]", log_text)
@@ -252,10 +255,19 @@ class _Engine:
         self._log.close()
 
 
+def chunks(num_prompts: int, batch_size: int) -> list[tuple[int, int]]:
+    """The prompt slices a repeat is timed in, each run by every method of a group in turn: twice
+    the batch size (a full batch most of the time), so the methods' runs alternate every few
+    seconds and a machine whose speed drifts slows or speeds them alike."""
+    size = 2 * batch_size
+    return [(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
+
+
 def run_interleaved(configs: dict[str, dict | None], base: dict, repeats: int, group_size: int,
                     logs: Path, tmp: Path) -> tuple[dict[str, dict], dict[str, list[float]]]:
-    """Every method's raw result, and its per-round tokens/s ratios against the vanilla run of
-    the same round (vanilla's raw result holds the runs of every group)."""
+    """Every method's raw result (``runs``: one per repeat, its chunks' seconds and tokens
+    summed), and its per-repeat tokens/s ratios against the vanilla of its group (vanilla's raw
+    result holds the runs of every group)."""
     others = [n for n in configs if n != "vanilla"]
     groups = [others[i:i + group_size] for i in range(0, len(others), group_size)] or [[]]
     raw: dict[str, dict] = {}
@@ -274,15 +286,23 @@ def run_interleaved(configs: dict[str, dict | None], base: dict, repeats: int, g
                 engines[n] = _Engine(n, {**base, "config": configs[n]}, log, tmp)
             for e in engines.values():
                 e.ready()
+            runs: dict[str, list[dict]] = {n: [] for n in names}
             for _ in range(repeats):
-                tps = {}
+                total = {n: {"wall_s": 0.0, "tokens": 0} for n in names}
+                for c, (start, stop) in enumerate(chunks(len(base["prompts"]),
+                                                         base["batch_size"])):
+                    for n in names:
+                        time.sleep(SETTLE_S)
+                        run = engines[n].run(start, stop, fresh=c == 0)
+                        total[n]["wall_s"] += run["wall_s"]
+                        total[n]["tokens"] += run["tokens"]
+                tps = {n: t["tokens"] / t["wall_s"] for n, t in total.items()}
                 for n in names:
-                    time.sleep(SETTLE_S)
-                    run = engines[n].run()
-                    tps[n] = run["tokens"] / run["wall_s"]
-                for n in names:
+                    runs[n].append(total[n])
                     ratios[n].append(tps[n] / tps["vanilla"])
             results = {n: e.finish() for n, e in engines.items()}
+            for n in names:
+                results[n]["runs"] = runs[n]
         finally:
             for e in engines.values():
                 e.kill()
