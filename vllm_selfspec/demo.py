@@ -3,6 +3,7 @@
 Each engine runs in its own process (the bench worker), with the same settings and greedy
 decoding; prints both texts, tokens/s, acceptance and whether the tokens are identical.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -17,23 +18,27 @@ from .prompts import load_prompts
 DEMO_CONFIG = {"method": "auto"}
 
 
-def run_demo(model: str | None = None, speculative_config: dict | None = None,
-             max_tokens: int = 96) -> int:
+def run_demo(
+    model: str | None = None, speculative_config: dict | None = None, max_tokens: int = 96
+) -> int:
     from transformers import AutoTokenizer
 
     model = resolve_model(model)
     cfg = speculative_config or DEMO_CONFIG
     prompts = load_prompts("chat", 3, model) + load_prompts("humaneval", 1, model)
     tok = AutoTokenizer.from_pretrained(model)
-    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens,
-            "batch_size": len(prompts), "repeats": 1}
+    spec = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "batch_size": len(prompts),
+        "repeats": 1,
+    }
     with tempfile.TemporaryDirectory(prefix="selfspec-demo-") as tmp:
         print("running vanilla vLLM ...", flush=True)
-        van = _run_worker("vanilla", {**spec, "config": None}, Path(tmp) / "vanilla.log",
-                          Path(tmp))
+        van = _run_worker("vanilla", {**spec, "config": None}, Path(tmp) / "vanilla.log", Path(tmp))
         print(f"running {cfg} ...", flush=True)
-        ss = _run_worker("selfspec", {**spec, "config": cfg}, Path(tmp) / "selfspec.log",
-                         Path(tmp))
+        ss = _run_worker("selfspec", {**spec, "config": cfg}, Path(tmp) / "selfspec.log", Path(tmp))
     same = 0
     for i, prompt in enumerate(prompts):
         a, b = van["token_ids"][i], ss["token_ids"][i]
@@ -45,7 +50,9 @@ def run_demo(model: str | None = None, speculative_config: dict | None = None,
     tps = [r["runs"][0]["tokens"] / r["runs"][0]["wall_s"] for r in (van, ss)]
     c = ss["counters"]
     acc = c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0
-    print(f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
-          f"({tps[1] / tps[0]:.2f}x), acceptance {acc:.0%}, "
-          f"identical outputs {same}/{len(prompts)}")
+    print(
+        f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
+        f"({tps[1] / tps[0]:.2f}x), acceptance {acc:.0%}, "
+        f"identical outputs {same}/{len(prompts)}"
+    )
     return 0 if same == len(prompts) else 1

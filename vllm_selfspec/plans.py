@@ -10,6 +10,7 @@ trained exit head supplied by the engine.
 * sub-layer skipping (KnapSpec):        ``LayerPlan.skip(L, skip_attn=..., skip_mlp=...)``
 * the correctness canary:               ``LayerPlan.full(L)``
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,7 @@ class LayerPlan:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 0 <= self.exit_layer <= self.num_layers:
-            raise ValueError(
-                f"exit_layer must be in [0, {self.num_layers}], got {self.exit_layer}")
+            raise ValueError(f"exit_layer must be in [0, {self.num_layers}], got {self.exit_layer}")
         if len(self.attn) != self.exit_layer or len(self.mlp) != self.exit_layer:
             raise ValueError("attn/mlp flags must have one entry per layer up to exit_layer")
 
@@ -45,23 +45,37 @@ class LayerPlan:
         return cls.prefix(num_layers, num_layers)
 
     @classmethod
-    def skip(cls, num_layers: int, skip_attn: Iterable[int] = (), skip_mlp: Iterable[int] = (),
-             exit_layer: int | None = None, head: str = LM_HEAD) -> "LayerPlan":
+    def skip(
+        cls,
+        num_layers: int,
+        skip_attn: Iterable[int] = (),
+        skip_mlp: Iterable[int] = (),
+        exit_layer: int | None = None,
+        head: str = LM_HEAD,
+    ) -> "LayerPlan":
         exit_layer = num_layers if exit_layer is None else exit_layer
         sa, sm = set(skip_attn), set(skip_mlp)
         for name, s in (("skip_attn", sa), ("skip_mlp", sm)):
             bad = sorted(i for i in s if not 0 <= i < num_layers)
             if bad:
                 raise ValueError(f"{name} has layer indices outside [0, {num_layers}): {bad}")
-        return cls(num_layers, exit_layer,
-                   tuple(i not in sa for i in range(exit_layer)),
-                   tuple(i not in sm for i in range(exit_layer)), head)
+        return cls(
+            num_layers,
+            exit_layer,
+            tuple(i not in sa for i in range(exit_layer)),
+            tuple(i not in sm for i in range(exit_layer)),
+            head,
+        )
 
     # ---- derived ------------------------------------------------------------------------------
     @property
     def is_full(self) -> bool:
-        return (self.exit_layer == self.num_layers and all(self.attn) and all(self.mlp)
-                and self.head == LM_HEAD)
+        return (
+            self.exit_layer == self.num_layers
+            and all(self.attn)
+            and all(self.mlp)
+            and self.head == LM_HEAD
+        )
 
     @property
     def num_sublayers(self) -> int:

@@ -1,5 +1,6 @@
 """Per-request policy state: created on a request's first step, dropped when vLLM removes it,
 also when the request is aborted mid-generation."""
+
 from __future__ import annotations
 
 import pytest
