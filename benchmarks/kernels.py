@@ -19,7 +19,6 @@ import statistics
 import time
 
 import torch
-
 from vllm_selfspec.kernels.lm_head_argmax import (
     HAS_TRITON,
     lm_head_argmax_reference,

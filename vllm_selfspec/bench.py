@@ -149,8 +149,8 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
     from .compat import model_info_from_hf
-    from .config import methods as selfspec_methods
     from .config import SelfSpecConfig
+    from .config import methods as selfspec_methods
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .lookup import check_options as check_lookup
 from .policies import POLICIES, ModelInfo
@@ -135,7 +136,7 @@ class SelfSpecConfig:
     lookup: dict[str, Any] = field(default_factory=dict)  # context-lookup options ({}: off)
 
     @classmethod
-    def load(cls, spec: Any) -> "SelfSpecConfig":
+    def load(cls, spec: Any) -> SelfSpecConfig:
         raw = _read(spec)
         method = raw.pop("method", None)
         if method not in methods():
@@ -261,7 +262,7 @@ class SelfSpecConfig:
                     f"{base[key]}, this model has {getattr(model, key)}"
                 )
 
-    def resolved(self, model_path: str) -> "SelfSpecConfig":
+    def resolved(self, model_path: str) -> SelfSpecConfig:
         """Machine-dependent defaults made concrete once, in the front end ("auto" paths, and
         ``method: "auto"``'s concrete method)."""
         if self.method == AUTO:

@@ -30,8 +30,9 @@ The schedule drives a ``backend`` (the vLLM engine, or a toy model in the unit t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Backend(Protocol):

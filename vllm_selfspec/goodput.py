@@ -44,7 +44,7 @@ cost or acceptance estimate costs a few steps, not a run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -293,7 +293,7 @@ class SafetyNet:
         return min(4.0, max(0.8, self.real_cost / self.pred_cost))
 
     def record(
-        self, choice: "Choice", emitted: int, requests: int, seconds: float, plain: float
+        self, choice: Choice, emitted: int, requests: int, seconds: float, plain: float
     ) -> None:
         self.steps += 1.0
         self.tokens += emitted
@@ -374,7 +374,7 @@ class GoodputController:
     _probe_interval: int = 0
     _free_interval: int = 0  # the same for lookup drafts
     _free_idle: int = 0  # steps since a lookup draft was chosen or probed
-    _pending: "Choice | None" = None
+    _pending: Choice | None = None
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing

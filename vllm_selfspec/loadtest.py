@@ -17,8 +17,9 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 _FILLER = (
     "The committee met on Tuesday to review the budget, the schedule and the open "

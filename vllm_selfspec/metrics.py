@@ -23,7 +23,8 @@ import asyncio
 import logging
 import threading
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger("vllm_selfspec")
 

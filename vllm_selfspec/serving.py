@@ -73,7 +73,7 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             self.cmd,

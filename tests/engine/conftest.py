@@ -50,7 +50,6 @@ def served(model_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def vanilla_refs(model_path):
     from selfspec_testing import engine
-
     from vllm_selfspec.loadtest import greedy_references
 
     with engine(model_path, **ENGINE_KW) as llm:

@@ -13,10 +13,10 @@ heads by the benchmarks (docs/benchmarks.md, "AdaDecode").
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
 from vllm_selfspec.config import SelfSpecConfigError
 
 pytestmark = pytest.mark.engine

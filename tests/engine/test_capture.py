@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from selfspec_testing import engine
 from vllm import SamplingParams
 
+from selfspec_testing import engine
 from vllm_selfspec import policies
 from vllm_selfspec.plans import LayerPlan
 from vllm_selfspec.policies import DraftDecision, Policy

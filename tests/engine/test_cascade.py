@@ -13,10 +13,10 @@ import logging
 
 import pytest
 import torch
-from selfspec_testing import engine, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, token_ids
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine

@@ -16,10 +16,10 @@ import dataclasses
 
 import pytest
 import torch
-from selfspec_testing import engine, save_passthrough_top, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, save_passthrough_top, token_ids
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine

@@ -9,9 +9,9 @@ controller drafts only while the controller measures (its warm-up and probes) an
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, greedy_one_by_one_and_together
 
 import vllm_selfspec
+from selfspec_testing import engine, greedy_one_by_one_and_together
 from vllm_selfspec.config import auto_method
 
 pytestmark = pytest.mark.engine

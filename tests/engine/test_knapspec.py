@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from selfspec_testing import engine, token_ids
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 
 import vllm_selfspec
+from selfspec_testing import engine, token_ids
 from vllm_selfspec import policies
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.engine import knapsack_forward

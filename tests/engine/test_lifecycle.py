@@ -4,10 +4,10 @@ also when the request is aborted mid-generation."""
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine
 
 pytestmark = pytest.mark.engine
 

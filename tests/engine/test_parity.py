@@ -9,9 +9,9 @@ exit, a sub-layer skip set, and DEL's per-request choices.
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, greedy_one_by_one_and_together
 
 import vllm_selfspec
+from selfspec_testing import engine, greedy_one_by_one_and_together
 
 pytestmark = pytest.mark.engine
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from selfspec_testing import engine, save_built_heads, save_tiny_llama
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, save_built_heads, save_tiny_llama
 from vllm_selfspec.engine.proposer import SelfSpecProposer
 
 pytestmark = pytest.mark.engine

@@ -11,6 +11,9 @@ taken the same decisions (its statistics are replicas of rank 0's).
 from __future__ import annotations
 
 import pytest
+from vllm import SamplingParams
+
+import vllm_selfspec
 from selfspec_testing import (
     engine,
     save_built_heads,
@@ -18,9 +21,6 @@ from selfspec_testing import (
     save_tiny_llama,
     token_ids,
 )
-from vllm import SamplingParams
-
-import vllm_selfspec
 from vllm_selfspec.policies import POLICIES
 
 pytestmark = pytest.mark.engine

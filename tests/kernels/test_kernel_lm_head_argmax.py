@@ -21,9 +21,9 @@ import importlib.util
 
 import pytest
 import torch
-from kernels_testing import InterpreterProcess
-
 from vllm_selfspec.kernels import lm_head_argmax as lm
+
+from kernels_testing import InterpreterProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 

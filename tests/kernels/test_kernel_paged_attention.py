@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kernels_testing import InterpreterProcess
-
 from vllm_selfspec.kernels import paged_attention as pa
+
+from kernels_testing import InterpreterProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 

@@ -22,7 +22,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("start this worker with TRITON_INTERPRET=1 in its environment")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
 from vllm_selfspec.kernels import lm_head_argmax as lm  # noqa: E402
 from vllm_selfspec.kernels import paged_attention as pa  # noqa: E402
 

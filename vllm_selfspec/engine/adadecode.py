@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -49,7 +50,7 @@ class _DraftBackend:
 
     def __init__(
         self,
-        engine: "DeferredEngine",
+        engine: DeferredEngine,
         runner,
         rows: list[int],
         rounds: list[Round],

@@ -40,7 +40,6 @@ from .executor import PlanExecutor
 from .shadow import ShadowProjector
 from .stats import EngineStats, layer_computations
 
-
 #: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
 UNVERIFIED_REQUESTS_KEPT = 4096
 logger = logging.getLogger("vllm_selfspec")
@@ -253,7 +252,7 @@ class SelfSpecProposer:
         if self.shared_index is not None:
             self.shared_index = SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
 
-    def take_draft_probs(self) -> tuple["PendingDraftProbs | None", list[str] | None]:
+    def take_draft_probs(self) -> tuple[PendingDraftProbs | None, list[str] | None]:
         """What vLLM's runner reads at the next verification (``_draft_probs[row, :n]`` by
         ``_draft_prob_req_ids``): every pending request's q, or None when all are greedy."""
         if all(q is None for q in self._pending_q.values()):

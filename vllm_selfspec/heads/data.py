@@ -128,7 +128,7 @@ class TokenData:
     def layers(self) -> list[int]:
         return sorted(self.hidden)
 
-    def select(self, idx: torch.Tensor) -> "TokenData":
+    def select(self, idx: torch.Tensor) -> TokenData:
         return TokenData(
             {l: h[idx] for l, h in self.hidden.items()},
             self.topk_ids[idx],
@@ -139,7 +139,7 @@ class TokenData:
         )
 
     @staticmethod
-    def cat(parts: list["TokenData"]) -> "TokenData":
+    def cat(parts: list[TokenData]) -> TokenData:
         if not parts:
             raise ValueError("no data to concatenate")
         return TokenData(
@@ -167,7 +167,7 @@ class TokenData:
         os.replace(tmp, path)  # atomic: a shard is either complete or absent
 
     @classmethod
-    def load(cls, path: Path) -> "TokenData":
+    def load(cls, path: Path) -> TokenData:
         from safetensors.torch import load_file
 
         t = load_file(str(path))

@@ -41,7 +41,7 @@ class ModelIdentity:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelIdentity":
+    def from_dict(cls, d: dict) -> ModelIdentity:
         return cls(
             architecture=str(d["architecture"]),
             num_layers=int(d["num_layers"]),
@@ -50,7 +50,7 @@ class ModelIdentity:
             fingerprint=str(d["fingerprint"]),
         )
 
-    def check(self, expect: "ModelIdentity", what: str = "heads") -> None:
+    def check(self, expect: ModelIdentity, what: str = "heads") -> None:
         """Raise ``HeadsMismatchError`` naming every field where ``self`` (what the heads were
         trained for) differs from ``expect`` (the model at hand)."""
         diffs = [

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ class HeadSet(Mapping):
             return None
         return {l: float(h.threshold) for l, h in self.heads.items()}
 
-    def to(self, *args, **kwargs) -> "HeadSet":
+    def to(self, *args, **kwargs) -> HeadSet:
         """Move/cast every head in place (e.g. ``.to("cuda", torch.bfloat16)``); returns self."""
         for h in self.heads.values():
             h.to(*args, **kwargs)

@@ -54,7 +54,6 @@ import numpy as np
 from ..plans import LayerPlan
 from .base import DraftDecision, Feedback, ModelInfo, Policy
 
-
 #: real draft steps at a layer (decayed) after which their confidence-stop rate replaces the
 #: shadow tokens' estimate of it
 MIN_REAL_STEPS = 4.0

@@ -26,8 +26,8 @@ engine).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ class LatencyModel:
         t_mlp: float,
         t_head: float = 0.0,
         t_target_head: float | None = None,
-    ) -> "LatencyModel":
+    ) -> LatencyModel:
         """Least-squares line through (context length, attention seconds) samples; a negative
         slope (noise) is clamped to 0, leaving the mean as the constant."""
         ns = np.array([n for n, _ in attn], dtype=np.float64)
@@ -109,7 +109,7 @@ class LatencyModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LatencyModel":
+    def from_dict(cls, d: dict) -> LatencyModel:
         th = d.get("t_target_head")
         return cls(
             **{k: float(d[k]) for k in ("t_mlp", "c2", "c3", "t_head")},
