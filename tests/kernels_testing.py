@@ -26,10 +26,10 @@ class InterpreterProcess:
         self.proc.stdin.flush()
         try:
             status, value = pickle.load(self.proc.stdout)
-        except EOFError:
+        except EOFError as e:
             raise AssertionError(
                 f"interpreter worker exited with {self.proc.wait()} (see its stderr)"
-            )
+            ) from e
         if status == "error":
             exc, child_traceback = value
             exc.add_note(f"raised in the interpreter worker:\n{child_traceback}")

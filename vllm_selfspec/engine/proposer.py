@@ -667,7 +667,7 @@ class SelfSpecProposer:
             self._round_exits.update(
                 (ib.req_ids[rows[j]], steps) for j, steps in enumerate(walks.steps) if steps
             )
-        for j, (r, plan) in enumerate(zip(rows, plans)):
+        for r, plan in zip(rows, plans):
             d = len(drafts[r])
             self.stats.draft_length_hist[d] += 1
             if d:
