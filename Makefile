@@ -25,6 +25,9 @@ demo: model
 	$(BIN)/vllm-selfspec demo
 
 test: model
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest
 
 test-unit: $(STAMP)

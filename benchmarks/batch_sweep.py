@@ -10,6 +10,7 @@ process, in groups of --group-size beside a vanilla engine with their repeats in
 speedup is the median of the per-round ratios); runs already there are kept (delete a directory
 to redo it). Writes OUT/summary.md and OUT/<prompts>.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,27 @@ def run(args) -> None:
             target = out / f"{prompts}-bs{bs}"
             if (target / "results.json").is_file():
                 continue
-            cmd = [sys.executable, "-m", "vllm_selfspec.bench", "--methods", args.methods,
-                   "--prompts", prompts, "--num-prompts", str(args.num_prompts),
-                   "--max-tokens", str(args.max_tokens), "--batch-size", bs,
-                   "--repeats", str(args.repeats), "--group-size", str(args.group_size),
-                   "--out", str(target)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm_selfspec.bench",
+                "--methods",
+                args.methods,
+                "--prompts",
+                prompts,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--batch-size",
+                bs,
+                "--repeats",
+                str(args.repeats),
+                "--group-size",
+                str(args.group_size),
+                "--out",
+                str(target),
+            ]
             if args.method_config:
                 cmd += ["--method-config", args.method_config]
             print("+", " ".join(cmd), flush=True)
@@ -39,6 +56,7 @@ def run(args) -> None:
 
 def summarize(out: Path) -> str:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -50,11 +68,15 @@ def summarize(out: Path) -> str:
     for prompts, by_bs in runs.items():
         sizes = sorted(by_bs)
         methods = list(next(iter(by_bs.values()))["methods"])
-        lines += [f"### {prompts}", "",
-                  "speedup over vanilla of the same run (tokens/s, median of the per-round ratios); "
-                  "acceptance; parity with vanilla", "",
-                  "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
-                  "|---|" + "---|" * len(sizes)]
+        lines += [
+            f"### {prompts}",
+            "",
+            "speedup over vanilla of the same run (tokens/s, median of the per-round ratios); "
+            "acceptance; parity with vanilla",
+            "",
+            "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
+            "|---|" + "---|" * len(sizes),
+        ]
         fig, ax = plt.subplots(figsize=(6, 4))
         for name in methods:
             cells, xs, ys = [], [], []
@@ -64,9 +86,11 @@ def summarize(out: Path) -> str:
                     cells.append("–")
                     continue
                 acc = m["acceptance_rate"]
-                cells.append(f"{m['speedup']:.2f}x ({m['tokens_per_s']:.0f} tok/s"
-                             + (f", {100 * acc:.0f}%" if acc is not None else "")
-                             + f", parity {m['parity']:.2f})")
+                cells.append(
+                    f"{m['speedup']:.2f}x ({m['tokens_per_s']:.0f} tok/s"
+                    + (f", {100 * acc:.0f}%" if acc is not None else "")
+                    + f", parity {m['parity']:.2f})"
+                )
                 xs.append(b)
                 ys.append(m["speedup"])
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -81,11 +105,16 @@ def summarize(out: Path) -> str:
         fig.tight_layout()
         fig.savefig(out / f"{prompts}.png", dpi=110)
         plt.close(fig)
-        lines += ["", "Where the emitted tokens came from (lookup drafts / self-drafts / the target's "
-                  "own token each step), selfspec's time (draft / verify = target forward / "
-                  "policy / shadow / optimise / controller) and draft forwards per engine step:",
-                  "", "| method | batch | lookup / self-draft / target | time shares | "
-                  "draft forwards / step |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Where the emitted tokens came from (lookup drafts / self-drafts / the target's "
+            "own token each step), selfspec's time (draft / verify = target forward / "
+            "policy / shadow / optimise / controller) and draft forwards per engine step:",
+            "",
+            "| method | batch | lookup / self-draft / target | time shares | "
+            "draft forwards / step |",
+            "|---|---|---|---|---|",
+        ]
         for name in methods:
             for b in sizes:
                 m = by_bs[b]["methods"].get(name) or {}
@@ -96,11 +125,17 @@ def summarize(out: Path) -> str:
                 total = max(sum(src.values()), 1)
                 share = m["time_breakdown"]["share"]
                 lines.append(
-                    f"| {name} | {b} | " + " / ".join(
-                        f"{100 * src[k] / total:.0f}%" for k in ("lookup", "self_draft", "target"))
-                    + " | " + " / ".join(f"{100 * share.get(k, 0):.0f}%" for k in (
-                        "draft", "verify", "policy", "shadow", "optimise", "controller"))
-                    + f" | {st['draft_forwards'] / max(st['steps'], 1):.2f} |")
+                    f"| {name} | {b} | "
+                    + " / ".join(
+                        f"{100 * src[k] / total:.0f}%" for k in ("lookup", "self_draft", "target")
+                    )
+                    + " | "
+                    + " / ".join(
+                        f"{100 * share.get(k, 0):.0f}%"
+                        for k in ("draft", "verify", "policy", "shadow", "optimise", "controller")
+                    )
+                    + f" | {st['draft_forwards'] / max(st['steps'], 1):.2f} |"
+                )
         cmd = next(iter(by_bs.values()))["settings"]["command_line"]
         lines += ["", f"One run's command: `{cmd}`", ""]
     text = "\n".join(lines)
@@ -109,8 +144,9 @@ def summarize(out: Path) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--prompts", default="humaneval,chat,passages")
     p.add_argument("--batch-sizes", default="1,4,8,16")

@@ -11,6 +11,7 @@ A layer's weights (14 MB) stay in the CPU caches when timed alone; inside a forw
 (424 MB) stream from memory, so the model's per-layer cost is higher than this table's. The LM
 head (113 MB) streams from memory either way: it is the one GEMM that a smaller vocabulary cuts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,16 @@ import time
 import torch
 
 # (in, out) of the embedded model's weights: hidden 576, 9 heads x 64, 3 KV heads, MLP 1536
-SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072),
-          "down_proj": (1536, 576), "lm_head 49152": (576, 49152),
-          "lm_head 16384": (576, 16384), "lm_head 8192": (576, 8192),
-          "lm_head 4096": (576, 4096)}
+SHAPES = {
+    "qkv_proj": (576, 960),
+    "o_proj": (576, 576),
+    "gate_up_proj": (576, 3072),
+    "down_proj": (1536, 576),
+    "lm_head 49152": (576, 49152),
+    "lm_head 16384": (576, 16384),
+    "lm_head 8192": (576, 8192),
+    "lm_head 4096": (576, 4096),
+}
 
 
 def timed(fn, repeats: int) -> float:

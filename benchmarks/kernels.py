@@ -10,6 +10,7 @@ Without CUDA the Triton side is skipped (the interpreter that the tests use on C
 tool, not a speed measure) and only the CPU references are timed, on the embedded model's shapes.
 Times are medians over ``--repeats`` runs after one warm-up run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,18 +19,23 @@ import statistics
 import time
 
 import torch
-
-from vllm_selfspec.kernels.lm_head_argmax import (HAS_TRITON, lm_head_argmax_reference,
-                                                  lm_head_argmax_triton)
+from vllm_selfspec.kernels.lm_head_argmax import (
+    HAS_TRITON,
+    lm_head_argmax_reference,
+    lm_head_argmax_triton,
+)
 from vllm_selfspec.kernels.memory import MIB
-from vllm_selfspec.kernels.paged_attention import (paged_attention_reference,
-                                                   paged_attention_triton)
+from vllm_selfspec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 
 # (name, shadow rows N, vocab V, hidden d)
-SMOLLM2 = [("SmolLM2-135M, 1 layer x (4+1)", 5, 49152, 576),
-           ("SmolLM2-135M, 30 layers x (4+1)", 150, 49152, 576)]
-LLAMA3_8B = [("Llama-3-8B, 1 layer x (8+1)", 9, 128256, 4096),
-             ("Llama-3-8B, 32 layers x (8+1)", 288, 128256, 4096)]
+SMOLLM2 = [
+    ("SmolLM2-135M, 1 layer x (4+1)", 5, 49152, 576),
+    ("SmolLM2-135M, 30 layers x (4+1)", 150, 49152, 576),
+]
+LLAMA3_8B = [
+    ("Llama-3-8B, 1 layer x (8+1)", 9, 128256, 4096),
+    ("Llama-3-8B, 32 layers x (8+1)", 288, 128256, 4096),
+]
 
 
 def median_seconds(fn, repeats: int, sync=lambda: None) -> float:
@@ -47,7 +53,7 @@ def median_seconds(fn, repeats: int, sync=lambda: None) -> float:
 def make_inputs(n: int, v: int, d: int, dtype: torch.dtype, device: str):
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, d, generator=g, device=device).to(dtype)
-    weight = (torch.randn(v, d, generator=g, device=device) * d ** -0.5).to(dtype)
+    weight = (torch.randn(v, d, generator=g, device=device) * d**-0.5).to(dtype)
     norm_weight = torch.ones(d, device=device, dtype=dtype)
     tokens = torch.randint(0, v, (n,), generator=g, device=device)
     return hidden, weight, dict(norm_weight=norm_weight, token_ids=tokens)
@@ -61,9 +67,14 @@ def bench_gpu(repeats: int) -> None:
         ref = lm_head_argmax_reference(hidden, weight, **kwargs)
         got = lm_head_argmax_triton(hidden, weight, **kwargs)
         agree = (got[0] == ref[0]).float().mean().item()
-        for impl_name, impl in (("triton", lm_head_argmax_triton), ("reference", lm_head_argmax_reference)):
+        for impl_name, impl in (
+            ("triton", lm_head_argmax_triton),
+            ("reference", lm_head_argmax_reference),
+        ):
+
             def run():
                 return impl(hidden, weight, **kwargs)
+
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -74,17 +85,25 @@ def bench_gpu(repeats: int) -> None:
 
 
 def bench_cpu(repeats: int) -> None:
-    print("lm_head_argmax triton: skip: no GPU (no CUDA device; the Triton kernel is only checked "
-          "for correctness on CPU, in the interpreter)")
-    print(f"CPU reference only, {torch.get_num_threads()} threads (1-min load average "
-          f"{os.getloadavg()[0]:.1f}), fused norm + token_ids, median of {repeats} runs")
+    print(
+        "lm_head_argmax triton: skip: no GPU (no CUDA device; the Triton kernel is only checked "
+        "for correctness on CPU, in the interpreter)"
+    )
+    print(
+        f"CPU reference only, {torch.get_num_threads()} threads (1-min load average "
+        f"{os.getloadavg()[0]:.1f}), fused norm + token_ids, median of {repeats} runs"
+    )
     print(f"{'shape':34} {'dtype':9} {'median ms':>10} {'float32 logits MiB':>19}")
     for name, n, v, d in SMOLLM2:
         for dtype in (torch.float32, torch.bfloat16):
             hidden, weight, kwargs = make_inputs(n, v, d, dtype, "cpu")
-            seconds = median_seconds(lambda: lm_head_argmax_reference(hidden, weight, **kwargs), repeats)
-            print(f"{name:34} {str(dtype).removeprefix('torch.'):9} {seconds * 1e3:10.1f} "
-                  f"{n * v * 4 / MIB:19.1f}")
+            seconds = median_seconds(
+                lambda: lm_head_argmax_reference(hidden, weight, **kwargs), repeats
+            )
+            print(
+                f"{name:34} {str(dtype).removeprefix('torch.'):9} {seconds * 1e3:10.1f} "
+                f"{n * v * 4 / MIB:19.1f}"
+            )
 
 
 # (name, num_q_heads, num_kv_heads, head_size) of one attention layer; KV blocks of 16 tokens
@@ -103,22 +122,32 @@ def make_paged_inputs(num_tokens: int, context: int, heads: tuple, dtype: torch.
     block_table = torch.randperm(num_blocks, generator=g).view(num_tokens, blocks_per_req).int()
     positions = torch.full((num_tokens,), context - 1)
     req_indices = torch.arange(num_tokens)
-    slots = block_table.long()[req_indices, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    slots = (
+        block_table.long()[req_indices, positions // BLOCK_SIZE] * BLOCK_SIZE
+        + positions % BLOCK_SIZE
+    )
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(dtype).to(device)
 
     query = randn(num_tokens, num_q_heads, head_size)
-    key, value = randn(num_tokens, num_kv_heads, head_size), randn(num_tokens, num_kv_heads, head_size)
+    key, value = (
+        randn(num_tokens, num_kv_heads, head_size),
+        randn(num_tokens, num_kv_heads, head_size),
+    )
     kv_cache = randn(num_blocks, num_kv_heads, BLOCK_SIZE, 2 * head_size)
-    kwargs = dict(slot_mapping=slots, block_table=block_table, req_indices=req_indices, positions=positions)
+    kwargs = dict(
+        slot_mapping=slots, block_table=block_table, req_indices=req_indices, positions=positions
+    )
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
-    return (query, key, value, kv_cache), dict(kwargs, scale=head_size ** -0.5)
+    return (query, key, value, kv_cache), dict(kwargs, scale=head_size**-0.5)
 
 
 def bench_paged_gpu(repeats: int) -> None:
-    print(f"device: {torch.cuda.get_device_name()}  (bfloat16, cache write + attention, "
-          f"block size {BLOCK_SIZE}; A tokens, each its own request)")
+    print(
+        f"device: {torch.cuda.get_device_name()}  (bfloat16, cache write + attention, "
+        f"block size {BLOCK_SIZE}; A tokens, each its own request)"
+    )
     print(f"{'shape':40} {'impl':10} {'median ms':>10} {'peak extra MiB':>15}")
     for heads in (ATTN_SMOLLM2, ATTN_LLAMA3_8B):
         for num_tokens, context in ((1, 2048), (8, 2048), (64, 2048), (8, 16384)):
@@ -127,23 +156,31 @@ def bench_paged_gpu(repeats: int) -> None:
             got = paged_attention_triton(*args, **kwargs)
             err = (got.float() - ref.float()).abs().max().item()
             name = f"{heads[0]}, A={num_tokens}, context {context}"
-            for impl_name, impl in (("triton", paged_attention_triton),
-                                    ("reference", paged_attention_reference)):
+            for impl_name, impl in (
+                ("triton", paged_attention_triton),
+                ("reference", paged_attention_reference),
+            ):
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                seconds = median_seconds(lambda: impl(*args, **kwargs), repeats, torch.cuda.synchronize)
+                seconds = median_seconds(
+                    lambda: impl(*args, **kwargs), repeats, torch.cuda.synchronize
+                )
                 peak = (torch.cuda.max_memory_allocated() - base) / MIB
                 print(f"{name:40} {impl_name:10} {seconds * 1e3:10.3f} {peak:15.1f}")
             print(f"{'':40} max |triton - reference|: {err:.2e}")
 
 
 def bench_paged_cpu(repeats: int) -> None:
-    print("paged_attention triton: skip: no GPU (no CUDA device; the Triton kernels are only checked "
-          "for correctness on CPU, in the interpreter)")
-    print(f"CPU reference only, {torch.get_num_threads()} threads (1-min load average "
-          f"{os.getloadavg()[0]:.1f}), cache write + attention, block size {BLOCK_SIZE}, "
-          f"A tokens, each its own request, median of {repeats} runs")
+    print(
+        "paged_attention triton: skip: no GPU (no CUDA device; the Triton kernels are only checked "
+        "for correctness on CPU, in the interpreter)"
+    )
+    print(
+        f"CPU reference only, {torch.get_num_threads()} threads (1-min load average "
+        f"{os.getloadavg()[0]:.1f}), cache write + attention, block size {BLOCK_SIZE}, "
+        f"A tokens, each its own request, median of {repeats} runs"
+    )
     print(f"{'shape':40} {'dtype':9} {'median ms':>10} {'gathered K/V MiB':>17}")
     _, _, num_kv_heads, head_size = ATTN_SMOLLM2
     for num_tokens, context in ((1, 512), (8, 512), (64, 512), (8, 2048)):
@@ -151,8 +188,10 @@ def bench_paged_cpu(repeats: int) -> None:
             args, kwargs = make_paged_inputs(num_tokens, context, ATTN_SMOLLM2, dtype, "cpu")
             seconds = median_seconds(lambda: paged_attention_reference(*args, **kwargs), repeats)
             gathered = num_tokens * context * num_kv_heads * 2 * head_size * 4 / MIB  # float32 copy
-            print(f"{ATTN_SMOLLM2[0] + f', A={num_tokens}, context {context}':40} "
-                  f"{str(dtype).removeprefix('torch.'):9} {seconds * 1e3:10.2f} {gathered:17.1f}")
+            print(
+                f"{ATTN_SMOLLM2[0] + f', A={num_tokens}, context {context}':40} "
+                f"{str(dtype).removeprefix('torch.'):9} {seconds * 1e3:10.2f} {gathered:17.1f}"
+            )
 
 
 def main() -> None:
@@ -165,7 +204,9 @@ def main() -> None:
         bench_gpu(args.repeats)
     else:
         bench_cpu(args.repeats)
-    print("\n== paged_attention (decode attention for a subset of the batch over the paged KV cache)")
+    print(
+        "\n== paged_attention (decode attention for a subset of the batch over the paged KV cache)"
+    )
     if gpu:
         bench_paged_gpu(args.repeats)
     else:

@@ -11,6 +11,7 @@
    and vLLM's spec-decode counters from /metrics, live selfspec requests afterwards) is printed and
    written to ``--out``. Exit status 1 on any error, greedy mismatch or leftover request state.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,11 @@ from vllm_selfspec.serving import Server, parse_metrics
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(Path(__file__).parents[1] / "examples" /
-                                           "selfspec-layerskip.json"),
-                   help="selfspec config file (JSON)")
+    p.add_argument(
+        "--config",
+        default=str(Path(__file__).parents[1] / "examples" / "selfspec-layerskip.json"),
+        help="selfspec config file (JSON)",
+    )
     p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     p.add_argument("--duration", type=float, default=300, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=64)
@@ -52,29 +55,54 @@ def main() -> int:
     gc.collect()
     print(f"vanilla references: {len(refs)} prompts in {time.monotonic() - t0:.0f}s")
 
-    server_args = [*cli_args(ENGINE_KW), "--served-model-name", "model",
-                   "--speculative-config", config]
+    server_args = [
+        *cli_args(ENGINE_KW),
+        "--served-model-name",
+        "model",
+        "--speculative-config",
+        config,
+    ]
     with Server(model, server_args, log_path=Path(args.log).resolve()) as srv:
-        print(f"server ready at {srv.url} (log: {args.log}); {args.concurrency} clients for "
-              f"{args.duration:.0f}s")
-        res = asyncio.run(run_load(srv.url, "model", refs, args.duration, args.concurrency,
-                                   abort_prob=args.abort_prob, seed=args.seed,
-                                   rss_fn=srv.rss_bytes))
+        print(
+            f"server ready at {srv.url} (log: {args.log}); {args.concurrency} clients for "
+            f"{args.duration:.0f}s"
+        )
+        res = asyncio.run(
+            run_load(
+                srv.url,
+                "model",
+                refs,
+                args.duration,
+                args.concurrency,
+                abort_prob=args.abort_prob,
+                seed=args.seed,
+                rss_fn=srv.rss_bytes,
+            )
+        )
         deadline = time.monotonic() + 15
         while True:
             metrics = parse_metrics(srv.get("/metrics"))
-            live = sum(v for k, v in metrics.items()
-                       if k.startswith("vllm:selfspec_live_requests"))
+            live = sum(v for k, v in metrics.items() if k.startswith("vllm:selfspec_live_requests"))
             if live == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-    out = {"config": json.loads(Path(config).read_text()), "concurrency": args.concurrency,
-           "abort_prob": args.abort_prob, **res.summary(), "live_requests_after": live,
-           "errors_sample": res.errors[:10], "mismatches_sample": res.mismatches[:3],
-           "rss_mib": [(round(t, 1), round(b / 2**20)) for t, b in res.rss],
-           "metrics": {k: v for k, v in metrics.items()
-                       if k.startswith(("vllm:selfspec_", "vllm:spec_decode_num"))
-                       and "_bucket" not in k and "_created" not in k}}
+    out = {
+        "config": json.loads(Path(config).read_text()),
+        "concurrency": args.concurrency,
+        "abort_prob": args.abort_prob,
+        **res.summary(),
+        "live_requests_after": live,
+        "errors_sample": res.errors[:10],
+        "mismatches_sample": res.mismatches[:3],
+        "rss_mib": [(round(t, 1), round(b / 2**20)) for t, b in res.rss],
+        "metrics": {
+            k: v
+            for k, v in metrics.items()
+            if k.startswith(("vllm:selfspec_", "vllm:spec_decode_num"))
+            and "_bucket" not in k
+            and "_created" not in k
+        },
+    }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(res.summary(), indent=2))
     print(f"live selfspec requests after the run: {live}; full results: {args.out}")

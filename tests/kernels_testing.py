@@ -1,4 +1,5 @@
 """Helpers shared by the kernel tests (importable thanks to pytest.ini's pythonpath)."""
+
 from __future__ import annotations
 
 import os
@@ -16,16 +17,19 @@ class InterpreterProcess:
 
     def __init__(self):
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(WORKER)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
 
     def __call__(self, name, *args, **kwargs):
         pickle.dump((name, args, kwargs), self.proc.stdin)
         self.proc.stdin.flush()
         try:
             status, value = pickle.load(self.proc.stdout)
-        except EOFError:
-            raise AssertionError(f"interpreter worker exited with {self.proc.wait()} (see its stderr)")
+        except EOFError as e:
+            raise AssertionError(
+                f"interpreter worker exited with {self.proc.wait()} (see its stderr)"
+            ) from e
         if status == "error":
             exc, child_traceback = value
             exc.add_note(f"raised in the interpreter worker:\n{child_traceback}")

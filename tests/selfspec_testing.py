@@ -1,4 +1,5 @@
 """Helpers shared by the engine tests (importable thanks to pytest.ini's pythonpath)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +8,14 @@ import gc
 #: the engine settings every parity comparison shares (vanilla and self-spec alike)
 #: the KV cache is sized in bytes, not as a share of the free memory, so test engines start on
 #: any machine the README's requirements cover (1 GiB: ~22k tokens of the embedded model)
-ENGINE_KW = dict(dtype="float32", enforce_eager=True, max_model_len=2048,
-                 kv_cache_memory_bytes=1 << 30, seed=0, disable_log_stats=False)
+ENGINE_KW = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=2048,
+    kv_cache_memory_bytes=1 << 30,
+    seed=0,
+    disable_log_stats=False,
+)
 
 
 @contextlib.contextmanager
@@ -47,10 +54,19 @@ def save_tiny_llama(path, vocab: int, lm_head_scale: float = 1.0) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(lm_head_scale)
@@ -67,8 +83,9 @@ def save_built_heads(model_path: str, out, kind: str, layers) -> str:
 
     from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
-    identity = identity_from_hf(AutoModelForCausalLM.from_pretrained(model_path,
-                                                                     dtype=torch.float32))
+    identity = identity_from_hf(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    )
     torch.manual_seed(0)
     heads = {layer: make_head(kind, identity.hidden_size) for layer in layers}
     return str(save_heads(out, HeadSet(kind, heads, identity), training={"built": "test"}))
@@ -94,8 +111,11 @@ def save_passthrough_top(model_path: str, out, keep: int) -> str:
         tensors = load_file(f)
         for name, t in tensors.items():
             parts = name.split(".")
-            if (name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
-                    and "layers" in parts and int(parts[parts.index("layers") + 1]) >= keep):
+            if (
+                name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight"))
+                and "layers" in parts
+                and int(parts[parts.index("layers") + 1]) >= keep
+            ):
                 t.zero_()
         save_file(tensors, out / f.name, metadata={"format": "pt"})
     return str(out)

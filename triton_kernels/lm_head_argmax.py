@@ -27,6 +27,7 @@ Numerics (the spec, shared by both paths):
 ``lm_head_argmax`` dispatches: Triton when the tensors are on CUDA (or when
 ``VLLM_SELFSPEC_FORCE_TRITON=1``, used by the interpreter tests), else the PyTorch reference.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,25 +55,36 @@ Result = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 def _check_inputs(hidden, weight, norm_weight, token_ids, vocab_index) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"hidden must be [N, d] and weight [V, d]; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden must be [N, d] and weight [V, d]; got {tuple(hidden.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
     if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden size mismatch: hidden has d={hidden.shape[1]}, weight d={weight.shape[1]}")
+        raise ValueError(
+            f"hidden size mismatch: hidden has d={hidden.shape[1]}, weight d={weight.shape[1]}"
+        )
     if norm_weight is not None and norm_weight.shape != (hidden.shape[1],):
         raise ValueError(f"norm_weight must be [{hidden.shape[1]}], got {tuple(norm_weight.shape)}")
     if token_ids is not None and token_ids.shape != (hidden.shape[0],):
         raise ValueError(f"token_ids must be [{hidden.shape[0]}], got {tuple(token_ids.shape)}")
     if vocab_index is not None and (vocab_index.dim() != 1 or vocab_index.numel() == 0):
-        raise ValueError(f"vocab_index must be a non-empty 1-D tensor, got {tuple(vocab_index.shape)}")
+        raise ValueError(
+            f"vocab_index must be a non-empty 1-D tensor, got {tuple(vocab_index.shape)}"
+        )
     if vocab_index is None and weight.shape[0] == 0:
         raise ValueError("weight has an empty vocabulary")
 
 
-def lm_head_argmax_reference(hidden: torch.Tensor, weight: torch.Tensor, *,
-                             norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                             token_ids: torch.Tensor | None = None,
-                             vocab_index: torch.Tensor | None = None,
-                             chunk_v: int = 8192) -> Result:
+def lm_head_argmax_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    token_ids: torch.Tensor | None = None,
+    vocab_index: torch.Tensor | None = None,
+    chunk_v: int = 8192,
+) -> Result:
     """The spec, in plain PyTorch: materialise float32 logits, softmax, argmax, gather.
 
     ``chunk_v`` only bounds the float32 copy of the weight made per step (the logits of all V columns
@@ -85,7 +97,9 @@ def lm_head_argmax_reference(hidden: torch.Tensor, weight: torch.Tensor, *,
     x = x.to(weight.dtype).float()  # what the LM head sees: the weight's dtype
 
     w = weight if vocab_index is None else weight[vocab_index]
-    logits = torch.cat([x @ w[i:i + chunk_v].float().T for i in range(0, w.shape[0], chunk_v)], dim=1)
+    logits = torch.cat(
+        [x @ w[i : i + chunk_v].float().T for i in range(0, w.shape[0], chunk_v)], dim=1
+    )
     probs = torch.softmax(logits, dim=-1)
     pos = probs.argmax(dim=-1)  # first maximal index: the lowest position on a tie
     max_prob = probs.gather(1, pos[:, None])[:, 0]
@@ -114,8 +128,9 @@ def _split_vocab(vocab: int, splits: int) -> tuple[int, int]:
     return _cdiv(vocab, chunk), chunk
 
 
-def launch_config(num_rows: int, vocab: int, target_programs: int = DEFAULT_TARGET_PROGRAMS
-                  ) -> tuple[int, int, int]:
+def launch_config(
+    num_rows: int, vocab: int, target_programs: int = DEFAULT_TARGET_PROGRAMS
+) -> tuple[int, int, int]:
     """Tile plan for ``num_rows`` x ``vocab``: returns (BLOCK_N, num_splits, chunk).
 
     Rows go in blocks of BLOCK_N (each block streams its vocabulary chunk of the weight). When there
@@ -132,12 +147,30 @@ if HAS_TRITON:
 
     @triton.jit
     def _lm_head_argmax_partial_kernel(
-        x_ptr, w_ptr, nw_ptr, tok_ptr, vidx_ptr,
-        part_max_ptr, part_sum_ptr, part_arg_ptr, part_tok_ptr,
-        N, V, D, chunk, eps,
-        stride_xn, stride_xd, stride_wv, stride_wd,
-        HAS_NORM: tl.constexpr, HAS_TOKENS: tl.constexpr, HAS_SUBSET: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+        x_ptr,
+        w_ptr,
+        nw_ptr,
+        tok_ptr,
+        vidx_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        part_arg_ptr,
+        part_tok_ptr,
+        N,
+        V,
+        D,
+        chunk,
+        eps,
+        stride_xn,
+        stride_xd,
+        stride_wv,
+        stride_wd,
+        HAS_NORM: tl.constexpr,
+        HAS_TOKENS: tl.constexpr,
+        HAS_SUBSET: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         """One program: BLOCK_N rows x one vocabulary chunk. Writes the chunk's online-softmax state
         (max logit, sum of exp relative to it, position of the max, logit of the row's token)."""
@@ -151,8 +184,11 @@ if HAS_TRITON:
             sq = tl.zeros([BLOCK_N], dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
-                x = tl.load(x_rows + offs_d[None, :] * stride_xd,
-                            mask=row_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                x = tl.load(
+                    x_rows + offs_d[None, :] * stride_xd,
+                    mask=row_mask[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                ).to(tl.float32)
                 sq += tl.sum(x * x, axis=1)
             rstd = 1.0 / tl.sqrt(sq / D + eps)
         if HAS_TOKENS:
@@ -178,10 +214,16 @@ if HAS_TRITON:
             for d0 in range(0, D, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 d_mask = offs_d < D
-                x = tl.load(x_rows + offs_d[None, :] * stride_xd,
-                            mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-                w = tl.load(w_cols + offs_d[:, None] * stride_wd,
-                            mask=d_mask[:, None] & v_mask[None, :], other=0.0)
+                x = tl.load(
+                    x_rows + offs_d[None, :] * stride_xd,
+                    mask=row_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    w_cols + offs_d[:, None] * stride_wd,
+                    mask=d_mask[:, None] & v_mask[None, :],
+                    other=0.0,
+                )
                 if HAS_NORM:
                     nw = tl.load(nw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
                     x = x.to(tl.float32) * rstd[:, None] * nw[None, :]
@@ -193,7 +235,9 @@ if HAS_TRITON:
             # lowest position among the tile's maxima; a later tile wins only if strictly larger
             tile_arg = tl.min(tl.where(logits == tile_max[:, None], pos[None, :], V), axis=1)
             new_max = tl.maximum(run_max, tile_max)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
+                tl.exp(logits - new_max[:, None]), axis=1
+            )
             run_arg = tl.where(tile_max > run_max, tile_arg, run_arg)
             run_max = new_max
             if HAS_TOKENS:
@@ -214,11 +258,16 @@ def _target_programs(device: torch.device) -> int:
     return DEFAULT_TARGET_PROGRAMS
 
 
-def lm_head_argmax_triton(hidden: torch.Tensor, weight: torch.Tensor, *,
-                          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                          token_ids: torch.Tensor | None = None,
-                          vocab_index: torch.Tensor | None = None,
-                          num_splits: int | None = None) -> Result:
+def lm_head_argmax_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    token_ids: torch.Tensor | None = None,
+    vocab_index: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> Result:
     """Same contract as :func:`lm_head_argmax_reference`, without materialising the [N, V] logits.
 
     ``num_splits`` overrides the split-V heuristic (tests use it to cover both the one-split and
@@ -242,18 +291,37 @@ def lm_head_argmax_triton(hidden: torch.Tensor, weight: torch.Tensor, *,
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty(splits, n, dtype=torch.int32, device=device)
     part_tok = torch.empty_like(part_max) if token_ids is not None else part_max
-    tok = token_ids.long().contiguous() if token_ids is not None else part_arg  # dummies when absent
+    tok = (
+        token_ids.long().contiguous() if token_ids is not None else part_arg
+    )  # dummies when absent
     vidx = vocab_index.long().contiguous() if vocab_index is not None else part_arg
     nw = norm_weight.contiguous() if norm_weight is not None else part_max
 
     _lm_head_argmax_partial_kernel[(_cdiv(n, block_n), splits)](
-        hidden, weight, nw, tok, vidx,
-        part_max, part_sum, part_arg, part_tok,
-        n, vocab, d, chunk, eps,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        HAS_NORM=norm_weight is not None, HAS_TOKENS=token_ids is not None,
+        hidden,
+        weight,
+        nw,
+        tok,
+        vidx,
+        part_max,
+        part_sum,
+        part_arg,
+        part_tok,
+        n,
+        vocab,
+        d,
+        chunk,
+        eps,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        HAS_NORM=norm_weight is not None,
+        HAS_TOKENS=token_ids is not None,
         HAS_SUBSET=vocab_index is not None,
-        BLOCK_N=block_n, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D,
+        BLOCK_N=block_n,
+        BLOCK_V=BLOCK_V,
+        BLOCK_D=BLOCK_D,
     )
 
     # Combine the splits (tiny: [splits, N]). argmax over splits takes the first, i.e. lowest-V, split
@@ -277,11 +345,22 @@ def use_triton(hidden: torch.Tensor) -> bool:
     return HAS_TRITON and hidden.is_cuda
 
 
-def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor, *,
-                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                   token_ids: torch.Tensor | None = None,
-                   vocab_index: torch.Tensor | None = None) -> Result:
+def lm_head_argmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    token_ids: torch.Tensor | None = None,
+    vocab_index: torch.Tensor | None = None,
+) -> Result:
     """Dispatcher: the Triton kernel where it runs (see :func:`use_triton`), else the reference."""
     impl = lm_head_argmax_triton if use_triton(hidden) else lm_head_argmax_reference
-    return impl(hidden, weight, norm_weight=norm_weight, eps=eps, token_ids=token_ids,
-                vocab_index=vocab_index)
+    return impl(
+        hidden,
+        weight,
+        norm_weight=norm_weight,
+        eps=eps,
+        token_ids=token_ids,
+        vocab_index=vocab_index,
+    )

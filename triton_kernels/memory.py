@@ -6,6 +6,7 @@ draft tokens plus the bonus token). Materialising their float32 logits costs N x
 plain ``torch.softmax`` allocates the same again for the probabilities); the Triton kernel keeps
 only its split-V partials: four [num_splits, N] buffers of 4 bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from vllm_selfspec.kernels.lm_head_argmax import launch_config
 # H100 SXM has 132 SMs; the kernel aims for 2 programs per SM (see lm_head_argmax._target_programs).
 H100_TARGET_PROGRAMS = 2 * 132
 
-MIB = 1024 ** 2
+MIB = 1024**2
 
 
 @dataclass(frozen=True)
@@ -26,22 +27,33 @@ class ShadowMemory:
     hidden: int
     gamma: int
     rows: int
-    logits_bytes: int      # float32 [N, V] logits
-    workspace_bytes: int   # the kernel's split-V partials
+    logits_bytes: int  # float32 [N, V] logits
+    workspace_bytes: int  # the kernel's split-V partials
     num_splits: int
-    weight_bytes: int      # the bf16 LM-head weight, for scale
+    weight_bytes: int  # the bf16 LM-head weight, for scale
 
     @property
     def saved_bytes(self) -> int:
         return self.logits_bytes - self.workspace_bytes
 
 
-def shadow_memory(name: str, layers: int, vocab: int, hidden: int, gamma: int,
-                  target_programs: int = H100_TARGET_PROGRAMS) -> ShadowMemory:
+def shadow_memory(
+    name: str,
+    layers: int,
+    vocab: int,
+    hidden: int,
+    gamma: int,
+    target_programs: int = H100_TARGET_PROGRAMS,
+) -> ShadowMemory:
     rows = layers * (gamma + 1)
     _, splits, _ = launch_config(rows, vocab, target_programs)
     return ShadowMemory(
-        name=name, layers=layers, vocab=vocab, hidden=hidden, gamma=gamma, rows=rows,
+        name=name,
+        layers=layers,
+        vocab=vocab,
+        hidden=hidden,
+        gamma=gamma,
+        rows=rows,
         logits_bytes=rows * vocab * 4,
         workspace_bytes=4 * splits * rows * 4,
         num_splits=splits,
@@ -56,16 +68,19 @@ EXAMPLES = (
 
 
 def markdown_table() -> str:
-    lines = ["| model | L | V | d | γ | rows N = L(γ+1) | float32 logits | kernel workspace (splits) "
-             "| saved | bf16 LM-head weight |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | L | V | d | γ | rows N = L(γ+1) | float32 logits | kernel workspace (splits) "
+        "| saved | bf16 LM-head weight |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for ex in EXAMPLES:
         m = shadow_memory(**ex)
         lines.append(
             f"| {m.name} | {m.layers} | {m.vocab} | {m.hidden} | {m.gamma} | {m.rows} "
             f"| {m.logits_bytes:,} B = {m.logits_bytes / MIB:.1f} MiB "
             f"| {m.workspace_bytes:,} B ({m.num_splits}) "
-            f"| {m.saved_bytes / MIB:.1f} MiB | {m.weight_bytes / MIB:.0f} MiB |")
+            f"| {m.saved_bytes / MIB:.1f} MiB | {m.weight_bytes / MIB:.0f} MiB |"
+        )
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ the key/value dtype (no fp8 / quantised caches).
 ``paged_attention`` dispatches: Triton when the tensors are on CUDA (or when
 ``VLLM_SELFSPEC_FORCE_TRITON=1``, used by the interpreter tests), else the PyTorch reference.
 """
+
 from __future__ import annotations
 
 import os
@@ -74,6 +75,7 @@ _WHOLE_CONTEXT = 1 << 30
 # reading rows by index), which belongs to that kernel, not to a standalone gather.
 # --------------------------------------------------------------------------------------------------
 
+
 def gather_rows(index: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The active subset's rows of each ``[T, ...]`` batch tensor: ``t[index]`` for every ``t``
     (residual stream, positions, slot mapping, request rows, ...)."""
@@ -98,37 +100,55 @@ def request_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor
 # Checks shared by both paths.
 # --------------------------------------------------------------------------------------------------
 
+
 def _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_indices, positions):
     if query.dim() != 3 or key.dim() != 3 or kv_cache.dim() != 4:
-        raise ValueError(f"query/key/value must be [A, heads, head_size] and kv_cache [num_blocks, "
-                         f"num_kv_heads, block_size, 2 * head_size]; got {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"query/key/value must be [A, heads, head_size] and kv_cache [num_blocks, "
+            f"num_kv_heads, block_size, 2 * head_size]; got {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(kv_cache.shape)}"
+        )
     num_tokens, num_q_heads, head_size = query.shape
     _, num_kv_heads, _, content = kv_cache.shape
     if content != 2 * head_size:
-        raise ValueError(f"kv_cache's last axis must be 2 * head_size = {2 * head_size}, got {content}")
+        raise ValueError(
+            f"kv_cache's last axis must be 2 * head_size = {2 * head_size}, got {content}"
+        )
     if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
-        raise ValueError(f"key and value must be [{num_tokens}, {num_kv_heads}, {head_size}], got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must be [{num_tokens}, {num_kv_heads}, {head_size}], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    for name, t in (("slot_mapping", slot_mapping), ("req_indices", req_indices), ("positions", positions)):
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    for name, t in (
+        ("slot_mapping", slot_mapping),
+        ("req_indices", req_indices),
+        ("positions", positions),
+    ):
         if t.shape != (num_tokens,):
             raise ValueError(f"{name} must be [{num_tokens}], got {tuple(t.shape)}")
     if block_table.dim() != 2:
-        raise ValueError(f"block_table must be [num_reqs, max_blocks], got {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be [num_reqs, max_blocks], got {tuple(block_table.shape)}"
+        )
     if not (query.dtype == key.dtype == value.dtype == kv_cache.dtype):
         raise NotImplementedError(
             f"query, key, value and kv_cache must share one dtype (no fp8 / quantised KV caches); got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}, {kv_cache.dtype}")
+            f"{query.dtype}, {key.dtype}, {value.dtype}, {kv_cache.dtype}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
 # The PyTorch reference (the spec).
 # --------------------------------------------------------------------------------------------------
 
-def write_kv_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+
+def write_kv_reference(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """``reshape_and_cache_flash``: token a's K/V go to block ``slot // block_size``, row
     ``slot % block_size``; negative slots are padding and write nothing."""
     head_size, block_size = key.shape[-1], kv_cache.shape[2]
@@ -139,8 +159,14 @@ def write_kv_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     kv_cache[blocks, :, rows, head_size:] = value[keep]
 
 
-def attend_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                     req_indices: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Each token's decode attention over positions ``0 .. position`` of its request: gather the
     K/V of those positions through the block table (padded to the longest context, masked), softmax."""
     num_tokens, num_q_heads, head_size = query.shape
@@ -150,7 +176,7 @@ def attend_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     context = positions.long() + 1
     n = torch.arange(int(context.max()), device=query.device)
     blocks = block_table.long()[req_indices.long()][:, n // block_size]  # [A, L]
-    kv = kv_cache[blocks, :, n % block_size].float()                      # [A, L, num_kv_heads, 2D]
+    kv = kv_cache[blocks, :, n % block_size].float()  # [A, L, num_kv_heads, 2D]
     k, v = kv[..., :head_size], kv[..., head_size:]
     q = query.float().view(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_size)
     scores = torch.einsum("ahgd,alhd->ahgl", q, k) * scale
@@ -159,10 +185,18 @@ def attend_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     return out.reshape(num_tokens, num_q_heads, head_size).to(query.dtype)
 
 
-def paged_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              kv_cache: torch.Tensor, *, slot_mapping: torch.Tensor,
-                              block_table: torch.Tensor, req_indices: torch.Tensor,
-                              positions: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The spec, in plain PyTorch: write every token's K/V at its slot, then attend.
 
     query ``[A, num_q_heads, head_size]``; key, value ``[A, num_kv_heads, head_size]``; kv_cache
@@ -180,12 +214,17 @@ def paged_attention_reference(query: torch.Tensor, key: torch.Tensor, value: tor
 # The Triton kernels.
 # --------------------------------------------------------------------------------------------------
 
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_config(num_tokens: int, num_kv_heads: int, max_context: int | None,
-                  target_programs: int = DEFAULT_TARGET_PROGRAMS) -> tuple[int, int]:
+def launch_config(
+    num_tokens: int,
+    num_kv_heads: int,
+    max_context: int | None,
+    target_programs: int = DEFAULT_TARGET_PROGRAMS,
+) -> tuple[int, int]:
     """Context split for ``num_tokens`` x ``num_kv_heads`` programs: returns (num_splits, chunk).
 
     When there are fewer programs than ``target_programs``, each token's context is split into
@@ -212,10 +251,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_kv_kernel(
-        k_ptr, v_ptr, cache_ptr, slot_ptr,
-        head_size, block_size,
-        stride_ka, stride_kh, stride_kd, stride_va, stride_vh, stride_vd,
-        stride_cb, stride_ch, stride_cn, stride_cc,
+        k_ptr,
+        v_ptr,
+        cache_ptr,
+        slot_ptr,
+        head_size,
+        block_size,
+        stride_ka,
+        stride_kh,
+        stride_kd,
+        stride_va,
+        stride_vh,
+        stride_vd,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        stride_cc,
         BLOCK_D: tl.constexpr,
     ):
         """One program: one token's K and V for one KV head, stored at its slot (skipped if < 0)."""
@@ -227,20 +278,43 @@ if HAS_TRITON:
             d_mask = d < head_size
             k = tl.load(k_ptr + a * stride_ka + h * stride_kh + d * stride_kd, mask=d_mask)
             v = tl.load(v_ptr + a * stride_va + h * stride_vh + d * stride_vd, mask=d_mask)
-            dst = (cache_ptr + (slot // block_size) * stride_cb + h * stride_ch
-                   + (slot % block_size) * stride_cn)
+            dst = (
+                cache_ptr
+                + (slot // block_size) * stride_cb
+                + h * stride_ch
+                + (slot % block_size) * stride_cn
+            )
             tl.store(dst + d * stride_cc, k, mask=d_mask)
             tl.store(dst + (head_size + d) * stride_cc, v, mask=d_mask)
 
     @triton.jit
     def _paged_attention_partial_kernel(
-        q_ptr, cache_ptr, bt_ptr, req_ptr, pos_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr,
-        scale, chunk, num_tokens, num_q_heads, head_size, block_size,
-        stride_qa, stride_qh, stride_qd,
-        stride_cb, stride_ch, stride_cn, stride_cc,
+        q_ptr,
+        cache_ptr,
+        bt_ptr,
+        req_ptr,
+        pos_ptr,
+        part_acc_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        scale,
+        chunk,
+        num_tokens,
+        num_q_heads,
+        head_size,
+        block_size,
+        stride_qa,
+        stride_qh,
+        stride_qd,
+        stride_cb,
+        stride_ch,
+        stride_cn,
+        stride_cc,
         stride_bt,
-        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         """One program: one token x one KV head (its GROUP query heads) x one context chunk.
         Writes the chunk's online-softmax state: unnormalised output, max score, sum of exp."""
@@ -255,8 +329,11 @@ if HAS_TRITON:
         heads = h * GROUP + g
         d = tl.arange(0, BLOCK_D)
         d_mask = d < head_size
-        q = tl.load(q_ptr + a * stride_qa + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + a * stride_qa + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
 
         run_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
         run_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -267,11 +344,15 @@ if HAS_TRITON:
         for n0 in range(start, end, BLOCK_N):  # every tile holds >= 1 valid position
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < end
-            blocks = tl.load(bt_ptr + req * stride_bt + n // block_size, mask=n_mask, other=0).to(tl.int64)
+            blocks = tl.load(bt_ptr + req * stride_bt + n // block_size, mask=n_mask, other=0).to(
+                tl.int64
+            )
             rows = cache_ptr + blocks * stride_cb + h * stride_ch + (n % block_size) * stride_cn
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(rows[:, None] + d[None, :] * stride_cc, mask=kv_mask, other=0.0)
-            v = tl.load(rows[:, None] + (head_size + d[None, :]) * stride_cc, mask=kv_mask, other=0.0)
+            v = tl.load(
+                rows[:, None] + (head_size + d[None, :]) * stride_cc, mask=kv_mask, other=0.0
+            )
 
             # input_precision only concerns float32 x float32: IEEE there, not TF32
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
@@ -286,8 +367,11 @@ if HAS_TRITON:
         out = (s * num_tokens + a) * num_q_heads + heads
         tl.store(part_max_ptr + out, run_max, mask=g_mask)
         tl.store(part_sum_ptr + out, run_sum, mask=g_mask)
-        tl.store(part_acc_ptr + out[:, None] * head_size + d[None, :], acc,
-                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            part_acc_ptr + out[:, None] * head_size + d[None, :],
+            acc,
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
 
 
 def _target_programs(device: torch.device) -> int:
@@ -301,23 +385,38 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def write_kv_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+def write_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Same contract as :func:`write_kv_reference`: one program per (token, KV head)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens, num_kv_heads)](
-        key, value, kv_cache, slot_mapping.contiguous(),
-        head_size, kv_cache.shape[2],
-        *key.stride(), *value.stride(), *kv_cache.stride(),
+        key,
+        value,
+        kv_cache,
+        slot_mapping.contiguous(),
+        head_size,
+        kv_cache.shape[2],
+        *key.stride(),
+        *value.stride(),
+        *kv_cache.stride(),
         BLOCK_D=triton.next_power_of_2(head_size),
     )
 
 
-def attend_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  req_indices: torch.Tensor, positions: torch.Tensor, scale: float, *,
-                  num_splits: int | None = None, max_context: int | None = None) -> torch.Tensor:
+def attend_triton(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    max_context: int | None = None,
+) -> torch.Tensor:
     """Same contract as :func:`attend_reference`, streaming K/V tiles with an online softmax.
 
     Grid: (tokens, KV heads, context splits). Each program keeps its GROUP query heads as one
@@ -339,17 +438,36 @@ def attend_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     else:
         splits, chunk = _split_context(max_context, num_splits)
 
-    part_acc = torch.empty(splits, num_tokens, num_q_heads, head_size, dtype=torch.float32,
-                           device=query.device)
-    part_max = torch.empty(splits, num_tokens, num_q_heads, dtype=torch.float32, device=query.device)
+    part_acc = torch.empty(
+        splits, num_tokens, num_q_heads, head_size, dtype=torch.float32, device=query.device
+    )
+    part_max = torch.empty(
+        splits, num_tokens, num_q_heads, dtype=torch.float32, device=query.device
+    )
     part_sum = torch.empty_like(part_max)
     group = num_q_heads // num_kv_heads
     _paged_attention_partial_kernel[(num_tokens, num_kv_heads, splits)](
-        query, kv_cache, block_table, req_indices.contiguous(), positions.contiguous(),
-        part_acc, part_max, part_sum,
-        scale, chunk, num_tokens, num_q_heads, head_size, kv_cache.shape[2],
-        *query.stride(), *kv_cache.stride(), block_table.stride(0),
-        GROUP=group, BLOCK_G=_block(group), BLOCK_N=BLOCK_N, BLOCK_D=_block(head_size),
+        query,
+        kv_cache,
+        block_table,
+        req_indices.contiguous(),
+        positions.contiguous(),
+        part_acc,
+        part_max,
+        part_sum,
+        scale,
+        chunk,
+        num_tokens,
+        num_q_heads,
+        head_size,
+        kv_cache.shape[2],
+        *query.stride(),
+        *kv_cache.stride(),
+        block_table.stride(0),
+        GROUP=group,
+        BLOCK_G=_block(group),
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=_block(head_size),
     )
     # Combine the splits (a split past a token's context has max -inf, sum 0: weight 0).
     row_max = part_max.max(dim=0).values
@@ -358,19 +476,36 @@ def attend_triton(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     return out.to(query.dtype)
 
 
-def paged_attention_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, *, slot_mapping: torch.Tensor,
-                           block_table: torch.Tensor, req_indices: torch.Tensor,
-                           positions: torch.Tensor, scale: float, num_splits: int | None = None,
-                           max_context: int | None = None) -> torch.Tensor:
+def paged_attention_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_context: int | None = None,
+) -> torch.Tensor:
     """Same contract as :func:`paged_attention_reference`: two launches, the cache write first
     (so every token's read sees every token's write), then the attention."""
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs Triton")
     _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_indices, positions)
     write_kv_triton(key, value, kv_cache, slot_mapping)
-    return attend_triton(query, kv_cache, block_table, req_indices, positions, scale,
-                         num_splits=num_splits, max_context=max_context)
+    return attend_triton(
+        query,
+        kv_cache,
+        block_table,
+        req_indices,
+        positions,
+        scale,
+        num_splits=num_splits,
+        max_context=max_context,
+    )
 
 
 def use_triton(query: torch.Tensor) -> bool:
@@ -380,10 +515,28 @@ def use_triton(query: torch.Tensor) -> bool:
     return HAS_TRITON and query.is_cuda
 
 
-def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, *, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                    req_indices: torch.Tensor, positions: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    req_indices: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Dispatcher: the Triton kernels where they run (see :func:`use_triton`), else the reference."""
     impl = paged_attention_triton if use_triton(query) else paged_attention_reference
-    return impl(query, key, value, kv_cache, slot_mapping=slot_mapping, block_table=block_table,
-                req_indices=req_indices, positions=positions, scale=scale)
+    return impl(
+        query,
+        key,
+        value,
+        kv_cache,
+        slot_mapping=slot_mapping,
+        block_table=block_table,
+        req_indices=req_indices,
+        positions=positions,
+        scale=scale,
+    )

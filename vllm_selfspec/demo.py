@@ -4,6 +4,7 @@ Each engine runs in its own process (the bench workers, both live at once, the t
 back), with the same settings and greedy decoding; prints both texts, tokens/s, acceptance and
 whether the tokens are identical.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -18,20 +19,31 @@ from .prompts import load_prompts
 DEMO_CONFIG = {"method": "auto"}
 
 
-def run_demo(model: str | None = None, speculative_config: dict | None = None,
-             max_tokens: int = 96) -> int:
+def run_demo(
+    model: str | None = None, speculative_config: dict | None = None, max_tokens: int = 96
+) -> int:
     from transformers import AutoTokenizer
 
     model = resolve_model(model)
     cfg = speculative_config or DEMO_CONFIG
     prompts = load_prompts("chat", 3, model) + load_prompts("humaneval", 1, model)
     tok = AutoTokenizer.from_pretrained(model)
-    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens,
-            "batch_size": len(prompts)}
+    spec = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "batch_size": len(prompts),
+    }
     print(f"running vanilla vLLM and {cfg} ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="selfspec-demo-") as tmp:
-        raw, ratios = run_interleaved({"vanilla": None, "selfspec": cfg}, spec, repeats=1,
-                                      group_size=1, logs=Path(tmp), tmp=Path(tmp))
+        raw, ratios = run_interleaved(
+            {"vanilla": None, "selfspec": cfg},
+            spec,
+            repeats=1,
+            group_size=1,
+            logs=Path(tmp),
+            tmp=Path(tmp),
+        )
     van, ss = raw["vanilla"], raw["selfspec"]
     same = 0
     for i, prompt in enumerate(prompts):
@@ -44,7 +56,9 @@ def run_demo(model: str | None = None, speculative_config: dict | None = None,
     tps = [r["runs"][0]["tokens"] / r["runs"][0]["wall_s"] for r in (van, ss)]
     c = ss["counters"]
     acc = c["accepted_tokens"] / c["draft_tokens"] if c["draft_tokens"] else 0.0
-    print(f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
-          f"({ratios['selfspec'][0]:.2f}x), acceptance {acc:.0%}, "
-          f"identical outputs {same}/{len(prompts)}")
+    print(
+        f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
+        f"({ratios['selfspec'][0]:.2f}x), acceptance {acc:.0%}, "
+        f"identical outputs {same}/{len(prompts)}"
+    )
     return 0 if same == len(prompts) else 1

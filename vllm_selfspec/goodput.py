@@ -40,10 +40,11 @@ each speculative step's emitted tokens per second over the fitted plain step's (
 While that ratio's running mean is below 1 the controller drafts nothing but probes, so a wrong
 cost or acceptance estimate costs a few steps, not a run.
 """
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,8 +53,9 @@ class OnlineFit:
     """y ≈ coef · x for feature vectors x, least squares with forgetting factor ``decay`` per
     sample; coefficients are clipped at ``lower`` and None until ``min_samples`` were seen."""
 
-    def __init__(self, n: int, decay: float = 0.98, lower: float = 0.0,
-                 min_samples: float = 3.0) -> None:
+    def __init__(
+        self, n: int, decay: float = 0.98, lower: float = 0.0, min_samples: float = 3.0
+    ) -> None:
         self.decay, self.lower, self.min_samples = decay, lower, min_samples
         self.xtx = np.zeros((n, n))
         self.xty = np.zeros(n)
@@ -122,8 +124,11 @@ class StepCostModel:
         # the fitted slope weighs by how much the token counts seen vary (the sum of squared
         # deviations); with one count seen it is not identified and the prior stands
         info = self._spread() ** 2 * self.target.count
-        slope = prior if coef is None else (
-            (self.PRIOR_WEIGHT * prior + info * float(coef[1])) / (self.PRIOR_WEIGHT + info))
+        slope = (
+            prior
+            if coef is None
+            else ((self.PRIOR_WEIGHT * prior + info * float(coef[1])) / (self.PRIOR_WEIGHT + info))
+        )
         slope = max(slope, self.MIN_SLOPE_SHARE * per_token)
         mean_x = self._mean_tokens / self.target.count
         mean_y = self._mean_seconds / self.target.count
@@ -170,8 +175,9 @@ class AcceptanceTracker:
     itself shrunk towards the batch-wide overall rate. A slot is the draft position (1..k) for
     self-drafts, the match length for context-lookup drafts."""
 
-    def __init__(self, slots: int, decay: float = 0.9, weight: float = 2.0,
-                 prior: float = 0.5) -> None:
+    def __init__(
+        self, slots: int, decay: float = 0.9, weight: float = 2.0, prior: float = 0.5
+    ) -> None:
         self.k, self.decay, self.weight, self.prior = slots, decay, weight, prior
         self.all = _Rates(np.zeros(slots), np.zeros(slots))
 
@@ -286,8 +292,9 @@ class SafetyNet:
             return 1.0
         return min(4.0, max(0.8, self.real_cost / self.pred_cost))
 
-    def record(self, choice: "Choice", emitted: int, requests: int, seconds: float,
-               plain: float) -> None:
+    def record(
+        self, choice: Choice, emitted: int, requests: int, seconds: float, plain: float
+    ) -> None:
         self.steps += 1.0
         self.tokens += emitted
         self.plain_tokens += requests * seconds / plain
@@ -310,8 +317,15 @@ class SafetyNet:
         self.idle = 0 if ran else self.idle + 1
         if self.paused > 0:
             self.paused -= 1
-        for name in ("steps", "tokens", "plain_tokens", "pred_extra", "real_extra",
-                     "pred_cost", "real_cost"):
+        for name in (
+            "steps",
+            "tokens",
+            "plain_tokens",
+            "pred_extra",
+            "real_extra",
+            "pred_cost",
+            "real_cost",
+        ):
             setattr(self, name, self.DECAY * getattr(self, name))
 
 
@@ -360,7 +374,7 @@ class GoodputController:
     _probe_interval: int = 0
     _free_interval: int = 0  # the same for lookup drafts
     _free_idle: int = 0  # steps since a lookup draft was chosen or probed
-    _pending: "Choice | None" = None
+    _pending: Choice | None = None
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
@@ -397,11 +411,15 @@ class GoodputController:
         n = len(cands)
         base = float(n if tokens is None else tokens)
         line = self.costs.target_line()
-        if line is None or self.costs.draft_coefficients() is None and not all(
-                c.free for c in cands if c.max_tokens):
+        if (
+            line is None
+            or self.costs.draft_coefficients() is None
+            and not all(c.free for c in cands if c.max_tokens)
+        ):
             # nothing measured yet: one draft token per request, so the costs get measured
-            return Choice([min(1, c.max_tokens) for c in cands], float("nan"), float("nan"),
-                          float("nan"))
+            return Choice(
+                [min(1, c.max_tokens) for c in cands], float("nan"), float("nan"), float("nan")
+            )
         v0, v1 = line
         plain = v0 + v1 * base
         paid, free = self.nets["paid"], self.nets["free"]
@@ -413,8 +431,15 @@ class GoodputController:
                 scaled.append(Candidate(0, c.accept, free=c.free))
                 continue
             t = net.time_calibration()
-            scaled.append(Candidate(c.max_tokens, net.token_calibration() * c.accept,
-                                    t * c.row_seconds, t * c.plan_seconds, c.free))
+            scaled.append(
+                Candidate(
+                    c.max_tokens,
+                    net.token_calibration() * c.accept,
+                    t * c.row_seconds,
+                    t * c.plan_seconds,
+                    c.free,
+                )
+            )
         best = Choice([0] * n, float(n), plain, plain)
         best_rate = n / plain
         depth = max((c.max_tokens for c in scaled if not c.free), default=0)
@@ -487,7 +512,7 @@ class GoodputController:
         total = base + np.cumsum(g[order])
         seconds = plain + steps * fixed + np.cumsum(cost[rows][order])
         best = int(np.argmax(total / seconds))
-        tokens = np.bincount(rows[order[:best + 1]], minlength=n)
+        tokens = np.bincount(rows[order[: best + 1]], minlength=n)
         return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)
 
     def _probe(self, cands: list[Candidate], best: Choice, free: bool = False) -> Choice:
@@ -499,8 +524,9 @@ class GoodputController:
             self._free_idle = 0
         else:
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-        options = [i for i, c in enumerate(cands)
-                   if c.max_tokens and c.free == free and not best.tokens[i]]
+        options = [
+            i for i, c in enumerate(cands) if c.max_tokens and c.free == free and not best.tokens[i]
+        ]
         if not options:
             return best
         i = options[self._probe_turn % len(options)]
@@ -508,8 +534,14 @@ class GoodputController:
         tokens = list(best.tokens)
         tokens[i] = 1
         expected = best.expected_tokens + float(cands[i].accept[0])
-        return Choice(tokens, expected, float("nan"), best.plain_seconds, probe=True,
-                      kind=self._kind(cands, tokens))
+        return Choice(
+            tokens,
+            expected,
+            float("nan"),
+            best.plain_seconds,
+            probe=True,
+            kind=self._kind(cands, tokens),
+        )
 
     # ---- what happened ---------------------------------------------------------------------
     def settle(self, emitted: int, requests: int, seconds: float) -> None:
@@ -523,6 +555,12 @@ class GoodputController:
             self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
 
     def state(self) -> dict:
-        return {kind: {"achieved": net.achieved, "token_calibration": net.token_calibration(),
-                       "time_calibration": net.time_calibration(), "paused": net.paused}
-                for kind, net in self.nets.items()}
+        return {
+            kind: {
+                "achieved": net.achieved,
+                "token_calibration": net.token_calibration(),
+                "time_calibration": net.time_calibration(),
+                "paused": net.paused,
+            }
+            for kind, net in self.nets.items()
+        }

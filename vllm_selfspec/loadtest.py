@@ -10,17 +10,21 @@ reference (``greedy_references``: vanilla vLLM, offline, on the same prompts); a
 error chunk, truncated stream or malformed response counts as an error. The resident memory of
 the server's process tree is sampled throughout.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-_FILLER = ("The committee met on Tuesday to review the budget, the schedule and the open "
-           "questions from the last meeting. ")
+_FILLER = (
+    "The committee met on Tuesday to review the budget, the schedule and the open "
+    "questions from the last meeting. "
+)
 #: prompt pool: short, medium and long (several prefill chunks at a 128-token budget)
 PROMPTS = [
     "Hi",
@@ -28,7 +32,7 @@ PROMPTS = [
     "def fibonacci(n):",
     "List three prime numbers:",
     "Once upon a time, in a small village by the sea,",
-    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    'import numpy as np\n\ndef softmax(x):\n    """Numerically stable softmax."""\n',
     "Explain in one paragraph why the sky is blue, for a ten year old reader.",
     "Write a haiku about autumn leaves.",
     "Summarise the following minutes.\n" + _FILLER * 6,
@@ -41,8 +45,15 @@ MAX_TOKENS = 32  # greedy references are this long; requests ask for 1..MAX_TOKE
 #: server gets the same as command-line flags, see ``cli_args``)
 #: (a fixed 1 GiB KV cache, ~23k tokens of the embedded model: enough for 32 long requests, and a
 #: small footprint for a server that the test session keeps up)
-ENGINE_KW = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                 kv_cache_memory_bytes=1 << 30, max_num_seqs=32, max_num_batched_tokens=256)
+ENGINE_KW = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=2048,
+    seed=0,
+    kv_cache_memory_bytes=1 << 30,
+    max_num_seqs=32,
+    max_num_batched_tokens=256,
+)
 
 
 def cli_args(kw: dict[str, Any]) -> list[str]:
@@ -54,15 +65,19 @@ def cli_args(kw: dict[str, Any]) -> list[str]:
     return out
 
 
-def greedy_references(llm, prompts: list[str] = PROMPTS,
-                      max_tokens: int = MAX_TOKENS) -> list[dict[str, list[int]]]:
+def greedy_references(
+    llm, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS
+) -> list[dict[str, list[int]]]:
     """[{"prompt": token ids, "output": vanilla greedy token ids}] from an offline vllm.LLM."""
     from vllm import SamplingParams
 
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in prompts]
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids],
-                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": i} for i in ids],
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        use_tqdm=False,
+    )
     return [{"prompt": i, "output": list(o.outputs[0].token_ids)} for i, o in zip(ids, outs)]
 
 
@@ -80,24 +95,37 @@ class LoadResult:
 
     def summary(self) -> dict[str, Any]:
         rss = [b for _, b in self.rss]
-        half = rss[len(rss) // 2:] or rss
-        return {"requests": self.requests, "completed": self.completed, "aborted": self.aborted,
-                "greedy_checked": self.greedy_checked, "tokens": self.tokens,
-                "errors": len(self.errors), "greedy_mismatches": len(self.mismatches),
-                "duration_s": round(self.duration_s, 1),
-                "tokens_per_s": round(self.tokens / self.duration_s, 1) if self.duration_s else 0,
-                "rss_mib_first_half_max": round(max(rss[:len(rss) // 2] or rss or [0]) / 2**20),
-                "rss_mib_second_half_max": round(max(half or [0]) / 2**20)}
+        half = rss[len(rss) // 2 :] or rss
+        return {
+            "requests": self.requests,
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "greedy_checked": self.greedy_checked,
+            "tokens": self.tokens,
+            "errors": len(self.errors),
+            "greedy_mismatches": len(self.mismatches),
+            "duration_s": round(self.duration_s, 1),
+            "tokens_per_s": round(self.tokens / self.duration_s, 1) if self.duration_s else 0,
+            "rss_mib_first_half_max": round(max(rss[: len(rss) // 2] or rss or [0]) / 2**20),
+            "rss_mib_second_half_max": round(max(half or [0]) / 2**20),
+        }
 
 
-async def _one(session, url: str, model: str, rng: random.Random, refs, res: LoadResult,
-               abort_prob: float) -> None:
+async def _one(
+    session, url: str, model: str, rng: random.Random, refs, res: LoadResult, abort_prob: float
+) -> None:
     i = rng.randrange(len(refs))
     greedy = rng.random() < 0.5
     max_tokens = rng.randint(1, MAX_TOKENS)
-    body = {"model": model, "prompt": refs[i]["prompt"], "max_tokens": max_tokens,
-            "stream": True, "return_token_ids": True,
-            "temperature": 0.0 if greedy else 0.8, **({} if greedy else {"top_p": 0.95})}
+    body = {
+        "model": model,
+        "prompt": refs[i]["prompt"],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "return_token_ids": True,
+        "temperature": 0.0 if greedy else 0.8,
+        **({} if greedy else {"top_p": 0.95}),
+    }
     abort_after = rng.randint(1, max(1, max_tokens // 2)) if rng.random() < abort_prob else None
     res.requests += 1
     tokens: list[int] = []
@@ -137,8 +165,9 @@ async def _one(session, url: str, model: str, rng: random.Random, refs, res: Loa
         res.greedy_checked += 1
         expect = refs[i]["output"][:max_tokens]
         if tokens != expect:
-            res.mismatches.append({"prompt": i, "max_tokens": max_tokens, "got": tokens,
-                                   "expected": expect})
+            res.mismatches.append(
+                {"prompt": i, "max_tokens": max_tokens, "got": tokens, "expected": expect}
+            )
 
 
 async def _client(url, model, seed, deadline, duration_s, refs, res, abort_prob) -> None:
@@ -167,16 +196,27 @@ async def _sample_rss(rss_fn: Callable[[], int], res: LoadResult, t0: float, sto
             pass
 
 
-async def run_load(url: str, model: str, refs: list[dict[str, list[int]]], duration_s: float,
-                   concurrency: int = 32, abort_prob: float = 0.2, seed: int = 0,
-                   rss_fn: Callable[[], int] | None = None) -> LoadResult:
+async def run_load(
+    url: str,
+    model: str,
+    refs: list[dict[str, list[int]]],
+    duration_s: float,
+    concurrency: int = 32,
+    abort_prob: float = 0.2,
+    seed: int = 0,
+    rss_fn: Callable[[], int] | None = None,
+) -> LoadResult:
     """Clients start requests until ``duration_s`` is over, then finish the ones in flight."""
     res = LoadResult()
     t0 = time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_rss(rss_fn, res, t0, stop)) if rss_fn else None
-    await asyncio.gather(*(_client(url, model, seed * 1000 + c, t0 + duration_s, duration_s,
-                                   refs, res, abort_prob) for c in range(concurrency)))
+    await asyncio.gather(
+        *(
+            _client(url, model, seed * 1000 + c, t0 + duration_s, duration_s, refs, res, abort_prob)
+            for c in range(concurrency)
+        )
+    )
     res.duration_s = time.monotonic() - t0
     stop.set()
     if sampler:

@@ -24,6 +24,7 @@ Worked example (``max_n=3, min_n=2``)::
              "a b c" -> e (match 3: e is the later of two equally frequent followers);
              "b c e" -> a (match 3); "c e a" -> b (match 3)  => [c, e, a, b], matches [2, 3, 3, 3]
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,8 +41,9 @@ def check_options(options) -> dict:
     if options is True:
         return dict(DEFAULTS)
     if not isinstance(options, dict):
-        raise ValueError(f"lookup must be true, false or an object with {sorted(DEFAULTS)}, "
-                         f"got {options!r}")
+        raise ValueError(
+            f"lookup must be true, false or an object with {sorted(DEFAULTS)}, got {options!r}"
+        )
     unknown = sorted(set(options) - set(DEFAULTS))
     if unknown:
         raise ValueError(f"unknown lookup option(s) {unknown}; allowed: {sorted(DEFAULTS)}")
@@ -49,10 +51,14 @@ def check_options(options) -> dict:
     if not isinstance(merged["shared"], bool):
         raise ValueError(f"lookup: shared must be true or false, got {merged['shared']!r}")
     lo, hi = merged["min_ngram"], merged["max_ngram"]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) \
-            or not 1 <= lo <= hi <= 16:
-        raise ValueError(f"lookup: need integers 1 <= min_ngram <= max_ngram <= 16, got "
-                         f"min_ngram={lo!r}, max_ngram={hi!r}")
+    if (
+        not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
+        or not 1 <= lo <= hi <= 16
+    ):
+        raise ValueError(
+            f"lookup: need integers 1 <= min_ngram <= max_ngram <= 16, got "
+            f"min_ngram={lo!r}, max_ngram={hi!r}"
+        )
     return merged
 
 
@@ -67,7 +73,7 @@ class NGramTable:
         """Count ``tokens[end]`` as the follower of every n-gram ending just before it."""
         t = tokens[end]
         for n in range(self.min_n, min(self.max_n, end) + 1):
-            key = tuple(tokens[end - n:end])
+            key = tuple(tokens[end - n : end])
             seen = self.follow.setdefault(key, {})
             entry = seen.get(t)
             if entry is None:
@@ -103,7 +109,7 @@ class SharedIndex(NGramTable):
         self.size = 0
 
     def add(self, tokens: Sequence[int]) -> None:
-        tokens = [int(t) for t in tokens][-self.capacity:]
+        tokens = [int(t) for t in tokens][-self.capacity :]
         for end in range(1, len(tokens)):
             self._count(tokens, end, +1)
         self.outputs.append(tokens)
@@ -136,7 +142,7 @@ class ContextIndex(NGramTable):
         """Up to ``k`` draft tokens continuing the sequence, with each one's *slot*: its match
         length n in this request's context, or ``max_n + n`` where only the ``shared`` index
         (other requests' outputs) had a match."""
-        context = self.tokens[-self.max_n:]
+        context = self.tokens[-self.max_n :]
         drafts: list[int] = []
         slots: list[int] = []
         for _ in range(k):
@@ -149,5 +155,5 @@ class ContextIndex(NGramTable):
             token, n = found
             drafts.append(token)
             slots.append(slot_base + n)
-            context = (context + [token])[-self.max_n:]
+            context = (context + [token])[-self.max_n :]
         return drafts, slots

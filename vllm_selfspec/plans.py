@@ -10,10 +10,11 @@ trained exit head supplied by the engine.
 * sub-layer skipping (KnapSpec):        ``LayerPlan.skip(L, skip_attn=..., skip_mlp=...)``
 * the correctness canary:               ``LayerPlan.full(L)``
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 LM_HEAD = "lm_head"
 
@@ -30,38 +31,51 @@ class LayerPlan:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         if not 0 <= self.exit_layer <= self.num_layers:
-            raise ValueError(
-                f"exit_layer must be in [0, {self.num_layers}], got {self.exit_layer}")
+            raise ValueError(f"exit_layer must be in [0, {self.num_layers}], got {self.exit_layer}")
         if len(self.attn) != self.exit_layer or len(self.mlp) != self.exit_layer:
             raise ValueError("attn/mlp flags must have one entry per layer up to exit_layer")
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
-    def prefix(cls, num_layers: int, exit_layer: int, head: str = LM_HEAD) -> "LayerPlan":
+    def prefix(cls, num_layers: int, exit_layer: int, head: str = LM_HEAD) -> LayerPlan:
         return cls(num_layers, exit_layer, (True,) * exit_layer, (True,) * exit_layer, head)
 
     @classmethod
-    def full(cls, num_layers: int) -> "LayerPlan":
+    def full(cls, num_layers: int) -> LayerPlan:
         return cls.prefix(num_layers, num_layers)
 
     @classmethod
-    def skip(cls, num_layers: int, skip_attn: Iterable[int] = (), skip_mlp: Iterable[int] = (),
-             exit_layer: int | None = None, head: str = LM_HEAD) -> "LayerPlan":
+    def skip(
+        cls,
+        num_layers: int,
+        skip_attn: Iterable[int] = (),
+        skip_mlp: Iterable[int] = (),
+        exit_layer: int | None = None,
+        head: str = LM_HEAD,
+    ) -> LayerPlan:
         exit_layer = num_layers if exit_layer is None else exit_layer
         sa, sm = set(skip_attn), set(skip_mlp)
         for name, s in (("skip_attn", sa), ("skip_mlp", sm)):
             bad = sorted(i for i in s if not 0 <= i < num_layers)
             if bad:
                 raise ValueError(f"{name} has layer indices outside [0, {num_layers}): {bad}")
-        return cls(num_layers, exit_layer,
-                   tuple(i not in sa for i in range(exit_layer)),
-                   tuple(i not in sm for i in range(exit_layer)), head)
+        return cls(
+            num_layers,
+            exit_layer,
+            tuple(i not in sa for i in range(exit_layer)),
+            tuple(i not in sm for i in range(exit_layer)),
+            head,
+        )
 
     # ---- derived ------------------------------------------------------------------------------
     @property
     def is_full(self) -> bool:
-        return (self.exit_layer == self.num_layers and all(self.attn) and all(self.mlp)
-                and self.head == LM_HEAD)
+        return (
+            self.exit_layer == self.num_layers
+            and all(self.attn)
+            and all(self.mlp)
+            and self.head == LM_HEAD
+        )
 
     @property
     def num_sublayers(self) -> int:

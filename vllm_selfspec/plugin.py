@@ -21,6 +21,7 @@ applies three patches, each listed in ``PATCHES`` and logged once:
    that serves it): export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,10 +33,11 @@ from .policies import POLICIES
 
 logger = logging.getLogger("vllm_selfspec")
 LOSSY_WARNING = (
-    "vllm-selfspec: LOSSY MODE (cascade \"lossy\": true): draft tokens whose exit is confident "
+    'vllm-selfspec: LOSSY MODE (cascade "lossy": true): draft tokens whose exit is confident '
     "are emitted WITHOUT verification by the full model, so outputs DIFFER from the model's own "
-    "(greedy included). Unverified tokens are counted in get_stats()[\"unverified_tokens\"] "
-    "and the vllm:selfspec_unverified_tokens_total metric. Remove \"lossy\" for exact outputs.")
+    '(greedy included). Unverified tokens are counted in get_stats()["unverified_tokens"] '
+    'and the vllm:selfspec_unverified_tokens_total metric. Remove "lossy" for exact outputs.'
+)
 
 PATCHES = (
     "EngineArgs.create_engine_config: selfspec config -> custom_class + worker_cls + checks",
@@ -65,8 +67,7 @@ def register() -> None:
 
 def is_selfspec_vllm_config(vllm_config) -> bool:
     spec = vllm_config.speculative_config
-    return (spec is not None and spec.method == "custom_class"
-            and spec.model == compat.PROPOSER_CLS)
+    return spec is not None and spec.method == "custom_class" and spec.model == compat.PROPOSER_CLS
 
 
 # ---- 1. the config translation ----------------------------------------------------------------
@@ -84,23 +85,30 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
 
             raise SelfSpecConfigError(
                 f"unknown speculative method {method!r}: selfspec methods are "
-                f"{sorted(methods())}, vLLM's are {compat.vllm_spec_methods()}")
+                f"{sorted(methods())}, vLLM's are {compat.vllm_spec_methods()}"
+            )
         return None
     cfg = SelfSpecConfig.load(spec)
     if args.worker_cls not in ("auto", compat.WORKER_CLS):
         raise SelfSpecConfigError(
-            f"selfspec wires its own worker class; remove worker_cls={args.worker_cls!r}")
+            f"selfspec wires its own worker class; remove worker_cls={args.worker_cls!r}"
+        )
     if getattr(args, "pipeline_parallel_size", 1) > 1:
         raise SelfSpecConfigError(
             "selfspec does not support pipeline parallelism (the draft needs layers from every "
-            "stage); use tensor parallelism instead")
+            "stage); use tensor parallelism instead"
+        )
     if getattr(args, "kv_transfer_config", None) is not None:
         raise SelfSpecConfigError(
             "selfspec cannot run with a KV connector (kv_transfer_config): draft steps would "
-            "be saved to the connector as if they were target KV")
+            "be saved to the connector as if they were target KV"
+        )
     args.worker_cls = compat.WORKER_CLS
-    args.speculative_config = {"method": "custom_class", "model": compat.PROPOSER_CLS,
-                               "num_speculative_tokens": cfg.num_speculative_tokens}
+    args.speculative_config = {
+        "method": "custom_class",
+        "model": compat.PROPOSER_CLS,
+        "num_speculative_tokens": cfg.num_speculative_tokens,
+    }
     args.additional_config = {**(args.additional_config or {}), "selfspec": cfg.to_dict()}
     return cfg
 
@@ -114,12 +122,16 @@ def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
         raise SelfSpecConfigError("selfspec cannot run with a KV connector")
     cfg = cfg.resolved(vllm_config.model_config.model)
     cfg.validate_for_model(compat.model_info(vllm_config))
-    if POLICIES[cfg.method].deferred and not compat.is_cpu() and not (
-            vllm_config.model_config.enforce_eager):
+    if (
+        POLICIES[cfg.method].deferred
+        and not compat.is_cpu()
+        and not (vllm_config.model_config.enforce_eager)
+    ):
         raise SelfSpecConfigError(
             f"{cfg.method} runs the target forward layer by layer (the last round's tokens enter "
             f"at different depths), which CUDA graphs cannot replay: pass enforce_eager=True "
-            f"(--enforce-eager)")
+            f"(--enforce-eager)"
+        )
     vllm_config.additional_config["selfspec"] = cfg.to_dict()
     return cfg
 

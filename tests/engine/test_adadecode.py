@@ -9,19 +9,25 @@ low enough that they predict early often and are rejected often, so the test is 
 the wiring and the schedule; training is covered by tests/unit/test_heads.py and the trained
 heads by the benchmarks (docs/benchmarks.md, "AdaDecode").
 """
+
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, save_built_heads, save_tiny_llama, token_ids
 from vllm_selfspec.config import SelfSpecConfigError
 
 pytestmark = pytest.mark.engine
-PROMPTS = ["def fibonacci(n):", "The three primary colours are", "Write a haiku about rain.",
-           "import numpy as np\n\ndef normalise(x):", "List three uses of a paperclip:",
-           "class Stack:\n    def __init__(self):"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Write a haiku about rain.",
+    "import numpy as np\n\ndef normalise(x):",
+    "List three uses of a paperclip:",
+    "class Stack:\n    def __init__(self):",
+]
 MAX_TOKENS = 40
 L = 30
 
@@ -50,8 +56,12 @@ def _run(model_path, spec, **kw):
 
 
 def test_adadecode_keeps_parity_and_computes_deep_layers_once(model_path, ada_heads, vanilla):
-    spec = {"method": "adadecode", "heads": ada_heads, "threshold": 0.4,
-            "num_speculative_tokens": 4}
+    spec = {
+        "method": "adadecode",
+        "heads": ada_heads,
+        "threshold": 0.4,
+        "num_speculative_tokens": 4,
+    }
     got, stats = _run(model_path, spec)
     assert got == vanilla
     # the schedule was exercised: early predictions at several heads, accepted and rejected
@@ -77,12 +87,17 @@ def test_adadecode_parity_when_verified_steps_after_drafting(tmp_path):
     heads = build_heads(model, tmp_path / "heads", layers=(1, 2))
     prompts = [{"prompt_token_ids": [3, i % 32, 4]} for i in range(24)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kw = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=12,
-              max_num_batched_tokens=12)
+    kw = dict(
+        skip_tokenizer_init=True, max_model_len=256, max_num_seqs=12, max_num_batched_tokens=12
+    )
     with engine(model, **kw) as llm:
         want = token_ids(llm.generate(prompts, sp, use_tqdm=False))
-    spec = {"method": "adadecode", "heads": str(heads), "threshold": 0.5,
-            "num_speculative_tokens": 3}
+    spec = {
+        "method": "adadecode",
+        "heads": str(heads),
+        "threshold": 0.5,
+        "num_speculative_tokens": 3,
+    }
     with engine(model, speculative_config=spec, **kw) as llm:
         got = token_ids(llm.generate(prompts, sp, use_tqdm=False))
         stats = vllm_selfspec.get_stats(llm)
@@ -93,10 +108,12 @@ def test_adadecode_parity_when_verified_steps_after_drafting(tmp_path):
 
 def test_adadecode_config_errors_before_serving(model_path, ada_heads, tmp_path):
     cascade = build_heads(model_path, tmp_path / "cascade", kind="cascade", layers=(8,))
-    cases = [({"heads": str(cascade)}, "kind 'cascade'"),
-             ({"heads": str(tmp_path / "nope")}, "train-heads --kind adadecode"),
-             ({"heads": ada_heads, "threshold": 1.5}, "threshold"),
-             ({"heads": ada_heads, "exit_layers": [9]}, "exit_layers")]
+    cases = [
+        ({"heads": str(cascade)}, "kind 'cascade'"),
+        ({"heads": str(tmp_path / "nope")}, "train-heads --kind adadecode"),
+        ({"heads": ada_heads, "threshold": 1.5}, "threshold"),
+        ({"heads": ada_heads, "exit_layers": [9]}, "exit_layers"),
+    ]
     for extra, msg in cases:
         spec = {"method": "adadecode", **extra}
         with pytest.raises(SelfSpecConfigError, match=msg):

@@ -1,4 +1,5 @@
 """The benchmark harness end to end on a tiny run (speed is measured by the harness, never here)."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,30 @@ pytestmark = pytest.mark.engine
 
 def test_bench_writes_results(model_path, tmp_path):
     out = tmp_path / "bench"
-    rc = main(["bench", "--methods", "vanilla,full", "--method-config",
-               # the canary drafts at full cost: the controller would rightly stop it, so this
-               # harness test (which needs drafts) runs it with the policy's own lengths
-               '{"full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 2,'
-               ' "goodput": false}}',
-               "--prompts", "chat", "--num-prompts", "2", "--max-tokens", "12",
-               "--batch-size", "2", "--repeats", "1", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--methods",
+            "vanilla,full",
+            "--method-config",
+            # the canary drafts at full cost: the controller would rightly stop it, so this
+            # harness test (which needs drafts) runs it with the policy's own lengths
+            '{"full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 2,'
+            ' "goodput": false}}',
+            "--prompts",
+            "chat",
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "12",
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     van, full = res["methods"]["vanilla"], res["methods"]["full"]
@@ -30,8 +48,17 @@ def test_bench_writes_results(model_path, tmp_path):
 
 
 def test_bench_rejects_bad_config_before_running(tmp_path, capsys):
-    rc = main(["bench", "--methods", "layerskip", "--method-config",
-               '{"layerskip": {"exit_layer": 99}}', "--out", str(tmp_path)])
+    rc = main(
+        [
+            "bench",
+            "--methods",
+            "layerskip",
+            "--method-config",
+            '{"layerskip": {"exit_layer": 99}}',
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 2
     assert "exit_layer must be an integer in [1, 30]" in capsys.readouterr().err
 

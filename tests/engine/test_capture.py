@@ -9,13 +9,14 @@ predict, and the hidden states must equal HF's ``hidden_states[layer]`` at those
 (float32 on both sides; tolerance: 2e-3 absolute + 2e-3 relative, stated here because vLLM's CPU
 attention and matmul kernels accumulate in a different order than HF's eager PyTorch).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from selfspec_testing import engine
 from vllm import SamplingParams
 
+from selfspec_testing import engine
 from vllm_selfspec import policies
 from vllm_selfspec.plans import LayerPlan
 from vllm_selfspec.policies import DraftDecision, Policy
@@ -44,8 +45,9 @@ def test_captured_hidden_states_match_hf(model_path, monkeypatch):
     prompt = "The three laws of thermodynamics are, in simple words for a student:"
     cfg = {"method": "_probe", "num_speculative_tokens": 2, "capture_tokens": 8}
     with engine(model_path, speculative_config=cfg) as llm:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12),
-                           use_tqdm=False)[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[
+            0
+        ]
     seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     records = ProbePolicy.records
     assert len(records) >= 4
@@ -63,8 +65,12 @@ def test_captured_hidden_states_match_hf(model_path, monkeypatch):
         assert r.hidden.shape == (len(CAPTURE), m, 576)
         # the last step may sample past max_tokens; vLLM truncates the output afterwards
         v = min(n, len(seq)) - (n - m)
-        assert r.targets.tolist()[:v] == seq[n - m:n - m + v]
+        assert r.targets.tolist()[:v] == seq[n - m : n - m + v]
         # row t predicts token n-m+t, so it sits at position n-m-1+t
         for j, layer in enumerate(CAPTURE):
-            torch.testing.assert_close(r.hidden[j, :v].float(), hs[layer][0, n - m - 1:n - m - 1 + v],
-                                       atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(
+                r.hidden[j, :v].float(),
+                hs[layer][0, n - m - 1 : n - m - 1 + v],
+                atol=2e-3,
+                rtol=2e-3,
+            )

@@ -6,21 +6,26 @@ so the exit reads the raw LM head at its layer; the estimator is random), saved 
 format with thresholds that make the exits fire, so the test is fast and covers the wiring;
 training is covered by tests/unit/test_heads.py and the trained heads by the benchmarks.
 """
+
 from __future__ import annotations
 
 import logging
 
 import pytest
 import torch
-from selfspec_testing import engine, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, token_ids
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
-PROMPTS = ["def fibonacci(n):", "The three primary colours are", "Write a haiku about rain.",
-           "import numpy as np\n\ndef normalise(x):"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Write a haiku about rain.",
+    "import numpy as np\n\ndef normalise(x):",
+]
 K = 3
 
 
@@ -34,8 +39,11 @@ def cascade_heads(model_path, tmp_path_factory):
     heads = {layer: make_head("cascade", identity.hidden_size) for layer in (12, 24)}
     for head in heads.values():
         head.threshold = 0.0  # overridden per test
-    return save_heads(tmp_path_factory.mktemp("cascade") / "heads",
-                      HeadSet("cascade", heads, identity), training={"built": "test"})
+    return save_heads(
+        tmp_path_factory.mktemp("cascade") / "heads",
+        HeadSet("cascade", heads, identity),
+        training={"built": "test"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,13 @@ def _run(model_path, spec):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_cascade_drafter_keeps_parity(model_path, cascade_heads, vanilla, adaptive):
     # exit 12 fires for some tokens, 24 for the rest it is tried on (its threshold is 0)
-    spec = {"method": "cascade", "heads": str(cascade_heads), "num_speculative_tokens": K,
-            "thresholds": {"12": 0.5, "24": 0.0}, "adaptive": adaptive}
+    spec = {
+        "method": "cascade",
+        "heads": str(cascade_heads),
+        "num_speculative_tokens": K,
+        "thresholds": {"12": 0.5, "24": 0.0},
+        "adaptive": adaptive,
+    }
     got, stats = _run(model_path, spec)
     assert got == vanilla
     exits = stats["cascade_exits"]
@@ -69,8 +82,13 @@ def test_cascade_drafter_keeps_parity(model_path, cascade_heads, vanilla, adapti
 
 def test_lossy_sampler_emits_drafts_unverified(model_path, cascade_heads, vanilla, caplog):
     # one exit that always fires: every round drafts K tokens, all emitted without verification
-    spec = {"method": "cascade", "heads": str(cascade_heads), "num_speculative_tokens": K,
-            "exit_layers": [12], "lossy": True}
+    spec = {
+        "method": "cascade",
+        "heads": str(cascade_heads),
+        "num_speculative_tokens": K,
+        "exit_layers": [12],
+        "lossy": True,
+    }
     with caplog.at_level(logging.WARNING, logger="vllm_selfspec"):
         got, stats = _run(model_path, spec)
     assert "LOSSY MODE" in caplog.text

@@ -9,21 +9,26 @@ the model's next token by construction, so DEL drafts and its drafts are kept on
 (identity heads on the real model agree too rarely for DEL's cost model to draft, and a parity
 test whose method drafted nothing proves nothing).
 """
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-from selfspec_testing import engine, save_passthrough_top, token_ids
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, save_passthrough_top, token_ids
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
-PROMPTS = ["def is_prime(n):", "The three primary colours are", "Write a limerick about a cat.",
-           "Copy the line.\n" + "red green blue yellow, red green blue yellow,\n" * 12]
+PROMPTS = [
+    "def is_prime(n):",
+    "The three primary colours are",
+    "Write a limerick about a cat.",
+    "Copy the line.\n" + "red green blue yellow, red green blue yellow,\n" * 12,
+]
 LAYERS = (12, 18, 24)
 #: layers from here on pass the residual stream through in the parity test's model
 PASSTHROUGH = 24
@@ -75,7 +80,10 @@ def test_missing_heads_dir_is_a_config_error(model_path, tmp_path):
 
     from vllm_selfspec.config import SelfSpecConfigError
 
-    args = EngineArgs(model=model_path, dtype="float32",
-                      speculative_config={"method": "del", "heads": str(tmp_path / "nope")})
+    args = EngineArgs(
+        model=model_path,
+        dtype="float32",
+        speculative_config={"method": "del", "heads": str(tmp_path / "nope")},
+    )
     with pytest.raises(SelfSpecConfigError, match="is not a head directory"):
         args.create_engine_config()

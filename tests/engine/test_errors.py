@@ -1,5 +1,6 @@
 """Every bad config gives one clear error before serving starts (no engine is started here:
 ``EngineArgs.create_engine_config`` is where vLLM builds its config, and where the plugin checks)."""
+
 from __future__ import annotations
 
 import json
@@ -12,20 +13,24 @@ from vllm_selfspec.config import SelfSpecConfigError
 
 
 def _config(model, spec, **kw):
-    return EngineArgs(model=model, dtype="float32", speculative_config=spec,
-                      **kw).create_engine_config()
+    return EngineArgs(
+        model=model, dtype="float32", speculative_config=spec, **kw
+    ).create_engine_config()
 
 
-@pytest.mark.parametrize("spec, match", [
-    ({"method": "layerskp"}, "unknown speculative method 'layerskp'"),
-    ({"method": "layerskip", "exit_layr": 3}, r"unknown option\(s\) \['exit_layr'\]"),
-    ({"method": "layerskip", "exit_layer": 31}, r"exit_layer must be an integer in \[1, 30\]"),
-    ({"method": "layerskip", "exit_layer": 0}, r"exit_layer must be an integer in \[1, 30\]"),
-    ({"method": "layerskip", "skip_attn": [30]}, "skip_attn must hold 0-based layer indices"),
-    ({"method": "layerskip", "exit_layer": 8, "skip_mlp": [9]}, "below exit_layer=8"),
-    ({"method": "layerskip", "num_speculative_tokens": -1}, "num_speculative_tokens must be"),
-    ({"method": "layerskip", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"method": "layerskp"}, "unknown speculative method 'layerskp'"),
+        ({"method": "layerskip", "exit_layr": 3}, r"unknown option\(s\) \['exit_layr'\]"),
+        ({"method": "layerskip", "exit_layer": 31}, r"exit_layer must be an integer in \[1, 30\]"),
+        ({"method": "layerskip", "exit_layer": 0}, r"exit_layer must be an integer in \[1, 30\]"),
+        ({"method": "layerskip", "skip_attn": [30]}, "skip_attn must hold 0-based layer indices"),
+        ({"method": "layerskip", "exit_layer": 8, "skip_mlp": [9]}, "below exit_layer=8"),
+        ({"method": "layerskip", "num_speculative_tokens": -1}, "num_speculative_tokens must be"),
+        ({"method": "layerskip", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ],
+)
 def test_bad_options(model_path, spec, match):
     with pytest.raises(SelfSpecConfigError, match=match):
         _config(model_path, spec)
@@ -38,8 +43,11 @@ def test_pipeline_parallel_refused(model_path):
 
 def test_kv_connector_refused(model_path):
     with pytest.raises(SelfSpecConfigError, match="KV connector"):
-        _config(model_path, {"method": "layerskip"},
-                kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"})
+        _config(
+            model_path,
+            {"method": "layerskip"},
+            kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+        )
 
 
 def test_own_worker_cls_refused(model_path):
@@ -62,8 +70,9 @@ def test_missing_config_file(model_path):
 
 def test_good_config_is_wired(model_path, tmp_path):
     path = tmp_path / "selfspec.json"
-    path.write_text(json.dumps({"method": "layerskip", "exit_layer": 12,
-                                "num_speculative_tokens": 5}))
+    path.write_text(
+        json.dumps({"method": "layerskip", "exit_layer": 12, "num_speculative_tokens": 5})
+    )
     vc = _config(model_path, str(path))  # a file path works for LLM(...) as for vllm serve
     assert vc.speculative_config.method == "custom_class"
     assert vc.speculative_config.model == compat.PROPOSER_CLS

@@ -5,27 +5,34 @@
 drafts from the context where it repeats, which code does; the canary LayerSkip config under the
 controller drafts only while the controller measures (its warm-up and probes) and is cut after.
 """
+
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, greedy_one_by_one_and_together
 
 import vllm_selfspec
+from selfspec_testing import engine, greedy_one_by_one_and_together
 from vllm_selfspec.config import auto_method
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'import numpy as np\n\ndef softmax(x):\n    """Numerically stable softmax."""\n',
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
-    "Summarise the following text.\n" + " ".join(
-        f"Paragraph {i}: the river rises in the hills and flows to the sea." for i in range(20)),
+    "Summarise the following text.\n"
+    + " ".join(
+        f"Paragraph {i}: the river rises in the hills and flows to the sea." for i in range(20)
+    ),
     "The capital of France is",
 ]
-SETTINGS = dict(max_num_seqs=8, enable_prefix_caching=True, enable_chunked_prefill=True,
-                max_num_batched_tokens=128)
+SETTINGS = dict(
+    max_num_seqs=8,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=128,
+)
 MAX_TOKENS = 48
 
 
@@ -61,8 +68,7 @@ def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
 def test_controller_cuts_self_drafts_and_keeps_parity(model_path, vanilla):
     """The full-model canary drafts at the cost of whole steps: the controller lets it draft
     while it measures, then cuts it; every draft it let through is accepted."""
-    spec = {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3,
-            "goodput": True}
+    spec = {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3, "goodput": True}
     with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
         out = _run(llm)
         stats = vllm_selfspec.get_stats(llm)
@@ -82,12 +88,16 @@ def test_requests_with_different_plans_draft_in_one_forward(model_path, vanilla,
     from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the patches reach the worker
-    plans = [LayerPlan.prefix(30, 30), LayerPlan.prefix(30, 12),
-             LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24)]
+    plans = [
+        LayerPlan.prefix(30, 30),
+        LayerPlan.prefix(30, 12),
+        LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24),
+    ]
     turn = itertools.count()
     monkeypatch.setattr(LayerSkipPolicy, "new_state", lambda self: next(turn) % len(plans))
-    monkeypatch.setattr(LayerSkipPolicy, "propose",
-                        lambda self, state: DraftDecision(plans[state], 3))
+    monkeypatch.setattr(
+        LayerSkipPolicy, "propose", lambda self, state: DraftDecision(plans[state], 3)
+    )
     spec = {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
     with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
         out = _run(llm)

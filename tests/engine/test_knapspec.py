@@ -5,15 +5,16 @@ The engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the tests can p
 model (parity: one under which drafting pays off, so the drafter surely runs) and record what the
 search's sub-layers return.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from selfspec_testing import engine, token_ids
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 
 import vllm_selfspec
+from selfspec_testing import engine, token_ids
 from vllm_selfspec import policies
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.engine import knapsack_forward
@@ -26,13 +27,17 @@ PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
     "You are a careful assistant. Answer in one short paragraph. Why is the sky blue?",
-    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    'import numpy as np\n\ndef softmax(x):\n    """Numerically stable softmax."""\n',
     # longer than one 64-token prefill chunk
-    "Summarise the following text.\n" + " ".join(
-        f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(8)),
+    "Summarise the following text.\n"
+    + " ".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(8)),
 ]
-SETTINGS = dict(max_num_seqs=8, enable_prefix_caching=True, enable_chunked_prefill=True,
-                max_num_batched_tokens=64)
+SETTINGS = dict(
+    max_num_seqs=8,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=64,
+)
 MAX_TOKENS = 32
 #: the LM head free, sub-layers cheap: skipping pays off, so the search picks drafting plans
 CHEAP_DRAFTS = LatencyModel(t_mlp=1e-3, c2=1e-7, c3=5e-4, t_head=0.0)
@@ -40,8 +45,10 @@ CHEAP_DRAFTS = LatencyModel(t_mlp=1e-3, c2=1e-7, c3=5e-4, t_head=0.0)
 
 def _run(llm):
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    return {"bs1": [token_ids(llm.generate([p], sp, use_tqdm=False))[0] for p in PROMPTS],
-            "bs8": token_ids(llm.generate(PROMPTS, sp, use_tqdm=False))}
+    return {
+        "bs1": [token_ids(llm.generate([p], sp, use_tqdm=False))[0] for p in PROMPTS],
+        "bs8": token_ids(llm.generate(PROMPTS, sp, use_tqdm=False)),
+    }
 
 
 @pytest.fixture
@@ -80,8 +87,9 @@ class RecordingPolicy(KnapSpecPolicy):
             g = torch.Generator().manual_seed(0)
             for s in (0, 10, 11, 58):  # attention of layers 0 and 5, MLP of 5, attention of 29
                 x = hidden[s // 2]
-                cand = torch.stack([x, 0.9 * x + 0.05 * torch.randn(x.shape, generator=g),
-                                    x.flip(0)])  # 3 candidates: the block table repeated 3 times
+                cand = torch.stack(
+                    [x, 0.9 * x + 0.05 * torch.randn(x.shape, generator=g), x.flip(0)]
+                )  # 3 candidates: the block table repeated 3 times
                 kv = model.layout.layers[s // 2].self_attn.attn.kv_cache
                 before = kv.clone()
                 out = model.sublayer(s, cand, positions)
@@ -111,22 +119,22 @@ def _reference(hf, s, cand, positions, context):
     q, _ = apply_rotary_pos_emb(q, q, cos_q, sin_q)
     k = k.repeat_interleave(nh // nkv, dim=1)
     v = v.repeat_interleave(nh // nkv, dim=1)
-    scores = q @ k.transpose(-1, -2) / hd ** 0.5  # [B, h, r, T]
+    scores = q @ k.transpose(-1, -2) / hd**0.5  # [B, h, r, T]
     mask = torch.arange(T)[None, :] <= positions[:, None]  # row t sees keys up to its position
     scores = scores.masked_fill(~mask, float("-inf"))
     o = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(B, r, nh * hd)
     return cand + at.o_proj(o)
 
 
-def test_search_sublayers_match_plain_pytorch_and_write_nothing(model_path, in_process,
-                                                                 monkeypatch):
+def test_search_sublayers_match_plain_pytorch_and_write_nothing(
+    model_path, in_process, monkeypatch
+):
     monkeypatch.setitem(policies.POLICIES, RecordingPolicy.name, RecordingPolicy)
     RecordingPolicy.records.clear()
     prompt = "The three laws of thermodynamics are, in simple words for a student:"
     cfg = {"method": RecordingPolicy.name, "capture_tokens": 6}
     with engine(model_path, speculative_config=cfg) as llm:
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4),
-                           use_tqdm=False)[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     records = RecordingPolicy.records
     assert [s for s, *_ in records] == [0, 10, 11, 58]
@@ -147,5 +155,6 @@ def test_search_sublayers_match_plain_pytorch_and_write_nothing(model_path, in_p
 def test_bad_knapspec_option_is_refused(model_path):
     spec = {"method": "knapspec", "tau": 2}
     with pytest.raises(SelfSpecConfigError, match=r"knapspec: tau must be a number in \[-1"):
-        EngineArgs(model=model_path, dtype="float32", speculative_config=spec
-                   ).create_engine_config()
+        EngineArgs(
+            model=model_path, dtype="float32", speculative_config=spec
+        ).create_engine_config()

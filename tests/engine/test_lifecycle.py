@@ -1,12 +1,13 @@
 """Per-request policy state: created on a request's first step, dropped when vLLM removes it,
 also when the request is aborted mid-generation."""
+
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine
 
 pytestmark = pytest.mark.engine
 

@@ -3,6 +3,7 @@ clients for a bounded time, random aborts mid-stream, greedy and sampled request
 few to a few hundred tokens. No errors; every completed greedy response equals vanilla vLLM's;
 no selfspec per-request state left afterwards; the server's memory stays flat.
 The longer version: benchmarks/load.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,13 +21,23 @@ LIVE = 'vllm:selfspec_live_requests{method="layerskip",model_name="smollm2"}'
 
 
 def test_load_with_aborts(served, vanilla_refs):
-    res = asyncio.run(run_load(served.url, "smollm2", vanilla_refs, DURATION_S, CONCURRENCY,
-                               abort_prob=ABORT_PROB, seed=1, rss_fn=served.rss_bytes))
+    res = asyncio.run(
+        run_load(
+            served.url,
+            "smollm2",
+            vanilla_refs,
+            DURATION_S,
+            CONCURRENCY,
+            abort_prob=ABORT_PROB,
+            seed=1,
+            rss_fn=served.rss_bytes,
+        )
+    )
     summary = res.summary()
     print("load:", json.dumps(summary))
     log = served.log_path.read_text(errors="replace")
     assert not res.errors, (res.errors[:5], log[-6000:])
-    assert "Traceback" not in log, log[log.index("Traceback") - 2000:][:6000]
+    assert "Traceback" not in log, log[log.index("Traceback") - 2000 :][:6000]
     assert not res.mismatches, res.mismatches[:3]
     assert res.greedy_checked >= 10 and res.aborted >= 3 and res.completed > res.greedy_checked
     deadline = time.monotonic() + 15  # the last removals reach the workers with the next step

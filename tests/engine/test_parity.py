@@ -5,44 +5,60 @@ Settings shared by every engine here: max_num_seqs 8, prefix caching on, chunked
 a time; "bs 8" submits them together. Plans: the full model (canary: 100% acceptance), a shallow
 exit, a sub-layer skip set, and DEL's per-request choices.
 """
+
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import engine, greedy_one_by_one_and_together
 
 import vllm_selfspec
+from selfspec_testing import engine, greedy_one_by_one_and_together
 
 pytestmark = pytest.mark.engine
 
-SHARED_PREFIX = ("You are a careful assistant. Answer in one short paragraph and do not repeat "
-                 "the question. ")
+SHARED_PREFIX = (
+    "You are a careful assistant. Answer in one short paragraph and do not repeat the question. "
+)
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
     SHARED_PREFIX + "Why is the sky blue?",
     SHARED_PREFIX + "What does a compiler do?",
     "List three prime numbers:",
-    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    'import numpy as np\n\ndef softmax(x):\n    """Numerically stable softmax."""\n',
     # longer than one 128-token prefill chunk
-    "Summarise the following text.\n" + " ".join(
+    "Summarise the following text.\n"
+    + " ".join(
         f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river bank."
-        for i in range(30)),
+        for i in range(30)
+    ),
     "Once upon a time",
 ]
-SETTINGS = dict(max_num_seqs=8, enable_prefix_caching=True, enable_chunked_prefill=True,
-                max_num_batched_tokens=128)
+SETTINGS = dict(
+    max_num_seqs=8,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=128,
+)
 MAX_TOKENS = 40
 CONFIGS = {
     "full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3},
     "shallow": {"method": "layerskip", "exit_layer": 6, "num_speculative_tokens": 4},
-    "skip": {"method": "layerskip", "skip_attn": [3, 7, 11, 15, 19], "skip_mlp": [5, 9, 13],
-             "num_speculative_tokens": 3},
+    "skip": {
+        "method": "layerskip",
+        "skip_attn": [3, 7, 11, 15, 19],
+        "skip_mlp": [5, 9, 13],
+        "num_speculative_tokens": 3,
+    },
     # DEL with the raw LM head: shadow tokens every round; it drafts only when an exit pays off,
     # which deep exits do where the text repeats (the long prompt below)
     "del": {"method": "del", "shadow_every": 1, "exit_layers": [16, 20, 24, 28]},
     # the full model drafting through the reduced vocabulary (the embedded model's cached map)
-    "vocab": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3,
-              "draft_vocab_size": 4096},
+    "vocab": {
+        "method": "layerskip",
+        "exit_layer": 30,
+        "num_speculative_tokens": 3,
+        "draft_vocab_size": 4096,
+    },
 }
 
 

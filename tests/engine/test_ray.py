@@ -2,6 +2,7 @@
 in a Ray actor (vLLM's CPU platform refuses vLLM's own Ray executor, so the executor inside the
 actor is vLLM's default one). Greedy output equals vanilla vLLM's; and the worker class that vLLM's
 Ray executor resolves by qualname in its Ray workers (GPU TP) imports and pickles there."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 2**20)
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20
+    )
     yield
     ray.shutdown()
 
@@ -32,9 +34,11 @@ class LLMHost:
     def generate(self, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
         from vllm import SamplingParams
 
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                                 SamplingParams(temperature=0, max_tokens=max_tokens),
-                                 use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids],
+            SamplingParams(temperature=0, max_tokens=max_tokens),
+            use_tqdm=False,
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def stats(self) -> dict:
@@ -52,8 +56,9 @@ def test_selfspec_llm_in_a_ray_actor(ray_local, model_path, vanilla_refs):
     spec = {"method": "layerskip", "exit_layer": 24, "num_speculative_tokens": 3, "goodput": False}
     host = LLMHost.remote(model_path, spec, ENGINE_KW)
     try:
-        got = ray.get(host.generate.remote([r["prompt"] for r in vanilla_refs], MAX_TOKENS),
-                      timeout=900)
+        got = ray.get(
+            host.generate.remote([r["prompt"] for r in vanilla_refs], MAX_TOKENS), timeout=900
+        )
         stats = ray.get(host.stats.remote())
         ray.get(host.shutdown.remote())
     finally:
@@ -72,11 +77,15 @@ def _resolve_in_ray_worker(qualname: str, proposer_qualname: str) -> tuple[str, 
     worker_cls = resolve_obj_by_qualname(qualname)
     proposer_cls = resolve_obj_by_qualname(proposer_qualname)
     by_reference = cloudpickle.loads(cloudpickle.dumps(worker_cls)) is worker_cls
-    return (issubclass(worker_cls, c.base_worker_class()) and worker_cls.__name__,
-            proposer_cls.__name__, by_reference)
+    return (
+        issubclass(worker_cls, c.base_worker_class()) and worker_cls.__name__,
+        proposer_cls.__name__,
+        by_reference,
+    )
 
 
 def test_worker_class_resolves_and_pickles_in_ray_workers(ray_local):
     name, proposer, by_ref = ray.get(
-        _resolve_in_ray_worker.remote(compat.WORKER_CLS, compat.PROPOSER_CLS), timeout=300)
+        _resolve_in_ray_worker.remote(compat.WORKER_CLS, compat.PROPOSER_CLS), timeout=300
+    )
     assert (name, proposer, by_ref) == ("SelfSpecWorker", "SelfSpecProposer", True)

@@ -12,16 +12,17 @@ Negative control (shows the test can fail): the same run with the draft probabil
 vLLM's rejection sampler replaced by the same distribution shifted by one token — no longer the distribution the drafts
 were drawn from — must be detected as a different distribution at the same significance level.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chi2_contingency
-from selfspec_testing import engine, save_built_heads, save_tiny_llama
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import engine, save_built_heads, save_tiny_llama
 from vllm_selfspec.engine.proposer import SelfSpecProposer
 
 pytestmark = pytest.mark.engine
@@ -52,8 +53,9 @@ def _min_pvalue(a: np.ndarray, b: np.ndarray) -> float:
     """Smallest chi-square p-value over output positions 1.. (position 0 comes from prefill)."""
     ps = []
     for pos in range(1, MAX_TOKENS):
-        table = np.stack([np.bincount(a[:, pos], minlength=VOCAB),
-                          np.bincount(b[:, pos], minlength=VOCAB)])
+        table = np.stack(
+            [np.bincount(a[:, pos], minlength=VOCAB), np.bincount(b[:, pos], minlength=VOCAB)]
+        )
         table = table[:, table.sum(0) > 0]
         ps.append(chi2_contingency(table)[1])
     return min(ps)
@@ -94,8 +96,9 @@ def test_wrong_draft_probs_are_detected(tiny_model, vanilla, monkeypatch):
     def shifted_probs(self):
         probs, ids = orig(self)
         if probs is not None:
-            probs.rows = [None if q is None else torch.roll(q, shifts=1, dims=-1)
-                          for q in probs.rows]
+            probs.rows = [
+                None if q is None else torch.roll(q, shifts=1, dims=-1) for q in probs.rows
+            ]
         return probs, ids
 
     monkeypatch.setattr(SelfSpecProposer, "take_draft_probs", shifted_probs)
@@ -113,8 +116,9 @@ def test_drafts_verified_steps_later_keep_their_q(tiny_model, monkeypatch):
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker runs in-process
     warnings: list[str] = []
-    monkeypatch.setattr(gpu_model_runner.logger, "warning",
-                        lambda msg, *a, **k: warnings.append(msg % a))
+    monkeypatch.setattr(
+        gpu_model_runner.logger, "warning", lambda msg, *a, **k: warnings.append(msg % a)
+    )
     sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=None)
     prompts = [{"prompt_token_ids": [3, i % VOCAB, 4]} for i in range(24)]
     kw = {**KW, "max_num_seqs": 12, "max_num_batched_tokens": 12}
@@ -172,8 +176,11 @@ def _sample_two(llm) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
     sp = SamplingParams(temperature=HOT, max_tokens=MAX_TOKENS, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     half = N // 2
-    prompts = ([EVERY_TOKEN] * half + [PROMPT] * half
-               + [{"prompt_token_ids": [3, i % VOCAB, 4]} for i in range(8)])
+    prompts = (
+        [EVERY_TOKEN] * half
+        + [PROMPT] * half
+        + [{"prompt_token_ids": [3, i % VOCAB, 4]} for i in range(8)]
+    )
     outs = llm.generate(prompts, [sp] * N + [greedy] * 8, use_tqdm=False)
     tokens = np.array([o.outputs[0].token_ids for o in outs[:N]])
     return tokens[:half], tokens[half:], [list(o.outputs[0].token_ids) for o in outs[N:]]
@@ -211,8 +218,9 @@ def test_sampling_with_lookup_drafts_mixed_in(tiny_model, vanilla_hot, monkeypat
     assert p > ALPHA, f"lookup drafts changed the sampling distribution (p={p:.2e})"
 
 
-def test_lookup_drafts_passed_off_as_sampled_drafts_are_detected(tiny_model, vanilla_hot,
-                                                                 monkeypatch):
+def test_lookup_drafts_passed_off_as_sampled_drafts_are_detected(
+    tiny_model, vanilla_hot, monkeypatch
+):
     """Negative control: lookup drafts handed over as if they had been drawn from a spread
     distribution (uniform q instead of the point mass they are) are accepted far too often
     (min(1, p/q)), which the chi-square test must catch. (A q of 0 at the drafted token would

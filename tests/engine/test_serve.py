@@ -1,6 +1,7 @@
 """`vllm serve` with a selfspec config file: greedy completions equal vanilla vLLM's, and the
 selfspec metrics appear on /metrics beside vLLM's own spec-decode counters, with the same
 drafted/accepted counts."""
+
 from __future__ import annotations
 
 import time
@@ -17,27 +18,42 @@ VLLM_LAB = '{engine="0",model_name="smollm2"}'
 
 def test_served_greedy_equals_vanilla(served, vanilla_refs):
     for i in (2, 9):  # a short prompt and one spanning two prefill chunks
-        out = served.post("/v1/completions", {
-            "model": "smollm2", "prompt": PROMPTS[i], "max_tokens": 32, "temperature": 0,
-            "return_token_ids": True})
+        out = served.post(
+            "/v1/completions",
+            {
+                "model": "smollm2",
+                "prompt": PROMPTS[i],
+                "max_tokens": 32,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         assert out["choices"][0]["token_ids"] == vanilla_refs[i]["output"]
         assert out["choices"][0]["prompt_token_ids"] == vanilla_refs[i]["prompt"]
 
 
 def _counts(srv) -> dict[str, float]:
     m = parse_metrics(srv.get("/metrics"))
-    return {"live": m[f"vllm:selfspec_live_requests{LAB}"],
-            "sd": m[f"vllm:selfspec_drafted_tokens_total{LAB}"],
-            "sa": m[f"vllm:selfspec_accepted_tokens_total{LAB}"],
-            "vd": m[f"vllm:spec_decode_num_draft_tokens_total{VLLM_LAB}"],
-            "va": m[f"vllm:spec_decode_num_accepted_tokens_total{VLLM_LAB}"]}
+    return {
+        "live": m[f"vllm:selfspec_live_requests{LAB}"],
+        "sd": m[f"vllm:selfspec_drafted_tokens_total{LAB}"],
+        "sa": m[f"vllm:selfspec_accepted_tokens_total{LAB}"],
+        "vd": m[f"vllm:spec_decode_num_draft_tokens_total{VLLM_LAB}"],
+        "va": m[f"vllm:spec_decode_num_accepted_tokens_total{VLLM_LAB}"],
+    }
 
 
 def test_metrics_selfspec_and_vllm_counters(served):
     before = _counts(served)
-    served.post("/v1/chat/completions", {
-        "model": "smollm2", "max_tokens": 24, "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    served.post(
+        "/v1/chat/completions",
+        {
+            "model": "smollm2",
+            "max_tokens": 24,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+    )
     # vLLM records its counters as outputs arrive; finished requests reach the workers with
     # the engine's next step: allow a few seconds for both
     deadline = time.monotonic() + 10
@@ -53,10 +69,17 @@ def test_metrics_selfspec_and_vllm_counters(served):
     m = parse_metrics(served.get("/metrics"))
     assert 0 <= m[f"vllm:selfspec_acceptance_rate{LAB}"] <= 1
     # examples/selfspec-layerskip.json: exit layer 28, one draft token per round
-    assert m['vllm:selfspec_exit_layer_bucket{le="27.0",method="layerskip",model_name="smollm2"}'] == 0
+    assert (
+        m['vllm:selfspec_exit_layer_bucket{le="27.0",method="layerskip",model_name="smollm2"}'] == 0
+    )
     rounds = m[f"vllm:selfspec_draft_rounds_total{LAB}"]
-    assert m['vllm:selfspec_exit_layer_bucket{le="28.0",method="layerskip",model_name="smollm2"}'] == rounds
+    assert (
+        m['vllm:selfspec_exit_layer_bucket{le="28.0",method="layerskip",model_name="smollm2"}']
+        == rounds
+    )
     assert m[f"vllm:selfspec_draft_length_sum{LAB}"] == rounds
-    shares = [m[f'vllm:selfspec_time_share{{method="layerskip",model_name="smollm2",part="{p}"}}']
-              for p in ("draft", "verify", "policy", "shadow")]
+    shares = [
+        m[f'vllm:selfspec_time_share{{method="layerskip",model_name="smollm2",part="{p}"}}']
+        for p in ("draft", "verify", "policy", "shadow")
+    ]
     assert shares[0] > 0 and shares[1] > 0 and sum(shares) == pytest.approx(1, abs=0.01)

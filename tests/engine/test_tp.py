@@ -7,38 +7,59 @@ the model's own next token: every method drafts and has drafts accepted, KnapSpe
 included). Greedy output must equal vanilla vLLM's with the same TP, and every rank must have
 taken the same decisions (its statistics are replicas of rank 0's).
 """
+
 from __future__ import annotations
 
 import pytest
-from selfspec_testing import (engine, save_built_heads, save_passthrough_top, save_tiny_llama,
-                              token_ids)
 from vllm import SamplingParams
 
 import vllm_selfspec
+from selfspec_testing import (
+    engine,
+    save_built_heads,
+    save_passthrough_top,
+    save_tiny_llama,
+    token_ids,
+)
 from vllm_selfspec.policies import POLICIES
 
 pytestmark = pytest.mark.engine
 VOCAB = 512
-KW = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8, tensor_parallel_size=2,
-          distributed_executor_backend="mp", kv_cache_memory_bytes=1 << 27)
+KW = dict(
+    skip_tokenizer_init=True,
+    max_model_len=256,
+    max_num_seqs=8,
+    tensor_parallel_size=2,
+    distributed_executor_backend="mp",
+    kv_cache_memory_bytes=1 << 27,
+)
 #: one config per selfspec method for the 4-layer model (a method missing here fails the test)
 SPECS = {
     "layerskip": {"method": "layerskip", "exit_layer": 1, "num_speculative_tokens": 3},
     "del": {"method": "del", "heads": "none", "shadow_every": 1, "num_speculative_tokens": 4},
     "knapspec": {"method": "knapspec", "num_speculative_tokens": 4, "interval": 8},
     # + "heads": built by the cascade_heads fixture (untrained adapters: the raw LM head)
-    "cascade": {"method": "cascade", "num_speculative_tokens": 3,
-                "thresholds": {"1": 0.5, "2": 0.0}},
+    "cascade": {
+        "method": "cascade",
+        "num_speculative_tokens": 3,
+        "thresholds": {"1": 0.5, "2": 0.0},
+    },
     # + "heads": built by the adadecode_heads fixture (identity T: the raw LM head). This model's
     # LM head is nearly flat (top-1 probability < 2%), so γ sits below 1/512: every head is
     # confident and every round predicts early (the TP mechanics are what is tested here)
     "adadecode": {"method": "adadecode", "num_speculative_tokens": 3, "threshold": 0.001},
 }
 #: besides drafts made and accepted, the counter that shows the method did its own work
-EXERCISED = {"layerskip": "drafted_tokens", "del": "shadow_rows", "knapspec": "optimisations",
-             "cascade": "drafted_tokens", "adadecode": "drafted_tokens"}
-PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]}
-           for i in range(6)]
+EXERCISED = {
+    "layerskip": "drafted_tokens",
+    "del": "shadow_rows",
+    "knapspec": "optimisations",
+    "cascade": "drafted_tokens",
+    "adadecode": "drafted_tokens",
+}
+PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]} for i in range(6)
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +77,16 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cascade_heads(tiny_model, tmp_path_factory) -> str:
-    return save_built_heads(tiny_model, tmp_path_factory.mktemp("tp-cascade") / "heads",
-                            "cascade", (1, 2))
+    return save_built_heads(
+        tiny_model, tmp_path_factory.mktemp("tp-cascade") / "heads", "cascade", (1, 2)
+    )
 
 
 @pytest.fixture(scope="module")
 def adadecode_heads(tiny_model, tmp_path_factory) -> str:
-    return save_built_heads(tiny_model, tmp_path_factory.mktemp("tp-adadecode") / "heads",
-                            "adadecode", (1, 2))
+    return save_built_heads(
+        tiny_model, tmp_path_factory.mktemp("tp-adadecode") / "heads", "adadecode", (1, 2)
+    )
 
 
 def _generate(llm) -> list[list[int]]:
@@ -86,8 +109,15 @@ def test_tp2_auto_under_the_goodput_controller(tiny_model, tp_env, vanilla):
         ranks = llm.collective_rpc("selfspec_stats")
     assert out == vanilla
     assert ranks[0]["drafted_tokens"] > 0 and ranks[0]["accepted_tokens"] > 0
-    same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "lookup_drafted_tokens",
-            "controller_cut_tokens", "controller_plain_steps", "controller_probes")
+    same = (
+        "drafted_tokens",
+        "accepted_tokens",
+        "draft_length_hist",
+        "lookup_drafted_tokens",
+        "controller_cut_tokens",
+        "controller_plain_steps",
+        "controller_probes",
+    )
     assert {k: ranks[1][k] for k in same} == {k: ranks[0][k] for k in same}
 
 
@@ -105,7 +135,11 @@ def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
     assert len(ranks) == 2 and stats[EXERCISED[method]] > 0
     assert stats["drafted_tokens"] > 0, "the drafter never ran"
     assert stats["accepted_tokens"] > 0, "no draft was accepted: parity proved nothing"
-    same = ("drafted_tokens", "accepted_tokens", "draft_length_hist", "plan_hist",
-            EXERCISED[method]) + (("cascade_exits",) if method in ("cascade", "adadecode")
-                                  else ())
+    same = (
+        "drafted_tokens",
+        "accepted_tokens",
+        "draft_length_hist",
+        "plan_hist",
+        EXERCISED[method],
+    ) + (("cascade_exits",) if method in ("cascade", "adadecode") else ())
     assert [{k: r[k] for k in same} for r in ranks[1:]] == [{k: ranks[0][k] for k in same}]

@@ -14,15 +14,16 @@ Tolerances: argmax ids must be equal (inputs are random normal with a fixed seed
 plus dedicated exact-tie cases); probabilities within rtol 2e-5, atol 1e-7 (both paths use float32
 logits and differ only in summation order; the observed relative error is about 4e-6).
 """
+
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
 import torch
-from kernels_testing import InterpreterProcess
-
 from vllm_selfspec.kernels import lm_head_argmax as lm
+
+from kernels_testing import InterpreterProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -46,7 +47,7 @@ def _inputs(n: int, v: int, d: int, seed: int = 0, dtype=torch.float32):
     """Random normal hidden rows and an LM head scaled so logits have std ~3 (peaked, not one-hot)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g).to(dtype)
-    weight = (torch.randn(v, d, generator=g) * (3 / d ** 0.5)).to(dtype)
+    weight = (torch.randn(v, d, generator=g) * (3 / d**0.5)).to(dtype)
     norm_weight = (torch.rand(d, generator=g) + 0.5).to(dtype)
     subset = torch.randperm(v, generator=g)[: max(1, v // 3)]  # unsorted, as a subset may be
     return hidden, weight, norm_weight, subset
@@ -82,9 +83,9 @@ def _assert_same(got, want):
 
 
 SHAPES = [
-    (1, 1000, 64),    # one row: the vocabulary is split across programs
+    (1, 1000, 64),  # one row: the vocabulary is split across programs
     (37, 5000, 576),  # SmolLM2's d (not a power of two); BLOCK_V=128 does not divide V
-    (130, 300, 96),   # several row blocks, last one partial; d not a multiple of BLOCK_D
+    (130, 300, 96),  # several row blocks, last one partial; d not a multiple of BLOCK_D
 ]
 
 
@@ -93,9 +94,11 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "N{}-V{}-d{}".format(*s))
 def test_kernel_matches_reference(interp, shape, use_norm, use_subset):
     hidden, weight, norm_weight, subset = _inputs(*shape)
-    kwargs = dict(norm_weight=norm_weight if use_norm else None,
-                  vocab_index=subset if use_subset else None,
-                  token_ids=_token_ids(hidden, weight, subset, use_subset))
+    kwargs = dict(
+        norm_weight=norm_weight if use_norm else None,
+        vocab_index=subset if use_subset else None,
+        token_ids=_token_ids(hidden, weight, subset, use_subset),
+    )
     want = lm.lm_head_argmax_reference(hidden, weight, **kwargs)
     _assert_same(triton_impl(interp)(hidden, weight, **kwargs), want)
     if use_subset:  # ids are original vocabulary ids; tokens outside the subset have probability 0
@@ -168,7 +171,8 @@ def test_reference_is_the_plain_formula():
     hidden, weight, norm_weight, subset = _inputs(9, 301, 48, seed=6)
     tokens = torch.tensor([0, 300, 5, 7, 9, 11, 13, 15, 17])
     ids, max_prob, token_prob = lm.lm_head_argmax_reference(
-        hidden, weight, norm_weight=norm_weight, token_ids=tokens, vocab_index=subset, chunk_v=64)
+        hidden, weight, norm_weight=norm_weight, token_ids=tokens, vocab_index=subset, chunk_v=64
+    )
 
     x = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
     probs = torch.softmax(x @ weight[subset].T, dim=-1)
@@ -211,15 +215,21 @@ def test_dispatcher_forced_triton_runs_the_kernel(interp):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
-@pytest.mark.parametrize("shape", [(150, 49152, 576), (288, 32000, 4096), (1, 128256, 4096)],
-                         ids=lambda s: "N{}-V{}-d{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(150, 49152, 576), (288, 32000, 4096), (1, 128256, 4096)],
+    ids=lambda s: "N{}-V{}-d{}".format(*s),
+)
 def test_bf16_on_gpu(shape):
     """The compiled kernel on bfloat16 model-like shapes (SmolLM2, Llama-sized d)."""
     hidden, weight, norm_weight, subset = _inputs(*shape)
     hidden, weight, norm_weight = (t.cuda().bfloat16() for t in (hidden, weight, norm_weight))
     subset = subset.cuda()
     tokens = _token_ids(hidden, weight, subset, use_subset=True)
-    for kwargs in (dict(token_ids=tokens), dict(norm_weight=norm_weight, token_ids=tokens, vocab_index=subset)):
+    for kwargs in (
+        dict(token_ids=tokens),
+        dict(norm_weight=norm_weight, token_ids=tokens, vocab_index=subset),
+    ):
         want = lm.lm_head_argmax_reference(hidden, weight, **kwargs)
         assert lm.use_triton(hidden)
         got = lm.lm_head_argmax(hidden, weight, **kwargs)

@@ -13,6 +13,7 @@ of the same float32 value, at most 1 ulp apart: observed in 3 of 3456 elements).
 only tested on a GPU: the interpreter's ``tl.dot`` on bfloat16 is wrong (triton-lang/triton#11584),
 so in the interpreter bfloat16 covers the cache write only.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kernels_testing import InterpreterProcess
-
 from vllm_selfspec.kernels import paged_attention as pa
+
+from kernels_testing import InterpreterProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -40,21 +41,30 @@ def interp():
 
 @dataclass
 class Case:
-    query: torch.Tensor      # [A, Hq, D]
-    key: torch.Tensor        # [A, Hkv, D]
+    query: torch.Tensor  # [A, Hq, D]
+    key: torch.Tensor  # [A, Hkv, D]
     value: torch.Tensor
-    kv_cache: torch.Tensor   # [num_blocks, Hkv, block_size, 2D], random old contents
-    kwargs: dict             # slot_mapping, block_table, req_indices, positions, scale
+    kv_cache: torch.Tensor  # [num_blocks, Hkv, block_size, 2D], random old contents
+    kwargs: dict  # slot_mapping, block_table, req_indices, positions, scale
 
     def run_reference(self):
         """(output, cache) of the reference, on a copy of the cache."""
         cache = self.kv_cache.clone()
-        return pa.paged_attention_reference(self.query, self.key, self.value, cache, **self.kwargs), cache
+        return pa.paged_attention_reference(
+            self.query, self.key, self.value, cache, **self.kwargs
+        ), cache
 
     def run_kernel(self, interp, **extra):
         """(output, cache) of the Triton kernels in the interpreter worker (its own copy of the cache)."""
-        return interp("paged_attention_triton", self.query, self.key, self.value, self.kv_cache,
-                      **self.kwargs, **extra)
+        return interp(
+            "paged_attention_triton",
+            self.query,
+            self.key,
+            self.value,
+            self.kv_cache,
+            **self.kwargs,
+            **extra,
+        )
 
 
 def _plant(positions, req_indices, token, position):
@@ -63,8 +73,19 @@ def _plant(positions, req_indices, token, position):
         positions[token] = position
 
 
-def make_case(num_tokens, num_kv_heads, group, head_size, block_size, max_context, *, num_pad=0,
-              seed=0, dtype=torch.float32, scale=None) -> Case:
+def make_case(
+    num_tokens,
+    num_kv_heads,
+    group,
+    head_size,
+    block_size,
+    max_context,
+    *,
+    num_pad=0,
+    seed=0,
+    dtype=torch.float32,
+    scale=None,
+) -> Case:
     """Requests with shuffled (non-contiguous) physical blocks; each active token sits at a distinct
     position of its request (the longest context is ``max_context``, none needs to be a multiple of
     the block size); ``num_pad`` tokens get slot -1 (padding)."""
@@ -92,9 +113,16 @@ def make_case(num_tokens, num_kv_heads, group, head_size, block_size, max_contex
         query=torch.randn(num_tokens, num_q_heads, head_size, generator=g).to(dtype),
         key=torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype),
         value=torch.randn(num_tokens, num_kv_heads, head_size, generator=g).to(dtype),
-        kv_cache=torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=g).to(dtype),
-        kwargs=dict(slot_mapping=slot_mapping, block_table=block_table, req_indices=req_indices,
-                    positions=positions, scale=head_size ** -0.5 if scale is None else scale),
+        kv_cache=torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=g).to(
+            dtype
+        ),
+        kwargs=dict(
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            req_indices=req_indices,
+            positions=positions,
+            scale=head_size**-0.5 if scale is None else scale,
+        ),
     )
 
 
@@ -107,15 +135,17 @@ def assert_same(got, want, tol):
 
 # (A tokens, Hkv, GQA group, head_size, block_size, longest context, padding tokens)
 SHAPES = [
-    (1, 2, 3, 64, 16, 37, 0),      # one token; context 37 is not a multiple of the block size
-    (40, 2, 1, 64, 16, 150, 3),    # many tokens (several per request), padding slots, MHA
-    (7, 1, 3, 128, 32, 200, 1),    # head 128, GQA 3, block 32
-    (5, 3, 1, 128, 16, 70, 0),     # head 128, MHA, three KV heads
-    (6, 2, 4, 80, 24, 100, 2),     # head 80 (masked lanes), GQA 4, block 24 (not a power of two)
+    (1, 2, 3, 64, 16, 37, 0),  # one token; context 37 is not a multiple of the block size
+    (40, 2, 1, 64, 16, 150, 3),  # many tokens (several per request), padding slots, MHA
+    (7, 1, 3, 128, 32, 200, 1),  # head 128, GQA 3, block 32
+    (5, 3, 1, 128, 16, 70, 0),  # head 128, MHA, three KV heads
+    (6, 2, 4, 80, 24, 100, 2),  # head 80 (masked lanes), GQA 4, block 24 (not a power of two)
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "A{}-kv{}-g{}-d{}-bs{}-ctx{}-pad{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", SHAPES, ids=lambda s: "A{}-kv{}-g{}-d{}-bs{}-ctx{}-pad{}".format(*s)
+)
 def test_kernel_matches_reference(interp, shape):
     *dims, num_pad = shape
     case = make_case(*dims, num_pad=num_pad)
@@ -130,7 +160,9 @@ def test_context_split_paths_agree(interp, num_splits):
     assert_same(case.run_kernel(interp, num_splits=num_splits), case.run_reference(), F32_TOL)
     if num_splits is None:  # 3 programs < 8 targeted by the heuristic in the interpreter
         assert pa.launch_config(3, 1, 300)[0] > 1
-        given = case.run_kernel(interp, max_context=300)  # the caller's bound instead of positions.max()
+        given = case.run_kernel(
+            interp, max_context=300
+        )  # the caller's bound instead of positions.max()
         assert_same(given, case.run_reference(), F32_TOL)
 
 
@@ -145,8 +177,8 @@ def test_strided_query_and_key(interp):
     qkv = torch.cat([t.flatten(1) for t in (case.query, case.key, case.value)], dim=1)
     hq = case.query.shape[1] * 64
     case.query = qkv[:, :hq].view(6, -1, 64)
-    case.key = qkv[:, hq:hq + 128].view(6, 2, 64)
-    case.value = qkv[:, hq + 128:].view(6, 2, 64)
+    case.key = qkv[:, hq : hq + 128].view(6, 2, 64)
+    case.value = qkv[:, hq + 128 :].view(6, 2, 64)
     assert not case.query.is_contiguous() and not case.key.is_contiguous()
     assert_same(case.run_kernel(interp), case.run_reference(), F32_TOL)
 
@@ -172,8 +204,13 @@ def test_padding_slots_write_nothing():
 def _causal_attention(q, k, v, scale):
     """Plain causal attention over contiguous K/V: q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
-        enable_gqa=True)
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.transpose(0, 1)
 
 
@@ -188,19 +225,31 @@ def test_deferred_tokens_see_each_other_and_match_causal_attention(interp, group
     q = torch.randn(length, num_kv_heads * group, head_size, generator=g)
     k = torch.randn(length, num_kv_heads, head_size, generator=g)
     v = torch.randn(length, num_kv_heads, head_size, generator=g)
-    block_table = torch.tensor([[5, 0, 3], [1, 4, 2]], dtype=torch.int32)  # request 1, shuffled blocks
+    block_table = torch.tensor(
+        [[5, 0, 3], [1, 4, 2]], dtype=torch.int32
+    )  # request 1, shuffled blocks
     cache = torch.randn(6, num_kv_heads, block_size, 2 * head_size, generator=g)
     pos = torch.arange(length)
     slots = block_table[1].long()[pos // block_size] * block_size + pos % block_size
     pa.write_kv_reference(k[:prefix], v[:prefix], cache, slots[:prefix])  # the cached prefix
 
     new = torch.tensor([43, 42, 44])  # the deferred tokens, in any order
-    case = Case(q[new], k[new], v[new], cache,
-                dict(slot_mapping=slots[new], block_table=block_table,
-                     req_indices=torch.ones(3, dtype=torch.long), positions=new, scale=head_size ** -0.5))
+    case = Case(
+        q[new],
+        k[new],
+        v[new],
+        cache,
+        dict(
+            slot_mapping=slots[new],
+            block_table=block_table,
+            req_indices=torch.ones(3, dtype=torch.long),
+            positions=new,
+            scale=head_size**-0.5,
+        ),
+    )
     want = case.run_reference()
     assert_same(case.run_kernel(interp), want, F32_TOL)
-    causal = _causal_attention(q, k, v, head_size ** -0.5)[new]
+    causal = _causal_attention(q, k, v, head_size**-0.5)[new]
     torch.testing.assert_close(want[0], causal, **F32_TOL)
 
 
@@ -217,9 +266,17 @@ def test_reference_matches_causal_attention_for_every_position():
     req = torch.arange(2).repeat_interleave(length)
     slots = block_table.long()[req, pos // block_size] * block_size + pos % block_size
     cache = torch.zeros(10, num_kv_heads, block_size, 2 * head_size)
-    out = pa.paged_attention_reference(q.repeat(2, 1, 1), k.repeat(2, 1, 1), v.repeat(2, 1, 1), cache,
-                                       slot_mapping=slots, block_table=block_table, req_indices=req,
-                                       positions=pos, scale=0.2)
+    out = pa.paged_attention_reference(
+        q.repeat(2, 1, 1),
+        k.repeat(2, 1, 1),
+        v.repeat(2, 1, 1),
+        cache,
+        slot_mapping=slots,
+        block_table=block_table,
+        req_indices=req,
+        positions=pos,
+        scale=0.2,
+    )
     causal = _causal_attention(q, k, v, 0.2)
     torch.testing.assert_close(out, causal.repeat(2, 1, 1), **F32_TOL)
 
@@ -227,6 +284,7 @@ def test_reference_matches_causal_attention_for_every_position():
 # ------------------------------------------------------------------------------------------------
 # vLLM itself: the cache views it builds for FlashAttention, and its CPU paged-attention ops.
 # ------------------------------------------------------------------------------------------------
+
 
 def _vllm(module: str):
     pytest.importorskip("vllm")
@@ -245,16 +303,25 @@ def test_vllm_cache_views_and_flash_attention_split(interp, layout):
     block_size, num_kv_heads, head_size, dtype = 16, 2, 64, torch.float32
     case = make_case(9, num_kv_heads, 3, head_size, block_size, 60, num_pad=2, seed=8)
     num_blocks = case.kv_cache.shape[0]
-    spec = kv_iface.FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
-                                      head_size=head_size, dtype=dtype)
+    spec = kv_iface.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
+    )
     kv_layout = layouts.KVCacheLayout[layout]
     page = spec.page_size_bytes
     if kv_layout.is_layer_compact:
-        tensor = kv_iface.KVCacheTensor(size=2 * page * num_blocks, layers=["l0", "l1"],
-                                        layer_stride=page * num_blocks, block_stride=page)
+        tensor = kv_iface.KVCacheTensor(
+            size=2 * page * num_blocks,
+            layers=["l0", "l1"],
+            layer_stride=page * num_blocks,
+            block_stride=page,
+        )
     else:
-        tensor = kv_iface.KVCacheTensor(size=2 * page * num_blocks, layers=["l0", "l1"],
-                                        layer_stride=page, block_stride=2 * page)
+        tensor = kv_iface.KVCacheTensor(
+            size=2 * page * num_blocks,
+            layers=["l0", "l1"],
+            layer_stride=page,
+            block_stride=2 * page,
+        )
 
     def layer1_view(raw):
         return kv_iface.create_kv_cache_views(raw, spec, num_blocks, kv_layout, tensor)[1]
@@ -267,14 +334,17 @@ def test_vllm_cache_views_and_flash_attention_split(interp, layout):
         assert not case.kv_cache.is_contiguous()
 
     ref_raw = raw.clone()
-    ref_out = pa.paged_attention_reference(case.query, case.key, case.value, layer1_view(ref_raw),
-                                           **case.kwargs)
+    ref_out = pa.paged_attention_reference(
+        case.query, case.key, case.value, layer1_view(ref_raw), **case.kwargs
+    )
     out, cache = case.run_kernel(interp)
     kernel_raw = torch.empty(0, dtype=torch.int8).set_(cache.untyped_storage())
     assert torch.equal(kernel_raw, ref_raw)  # the whole two-layer buffer
     torch.testing.assert_close(out, ref_out, **F32_TOL)
     layer0 = kv_iface.create_kv_cache_views(ref_raw, spec, num_blocks, kv_layout, tensor)[0]
-    assert torch.equal(layer0, kv_iface.create_kv_cache_views(raw, spec, num_blocks, kv_layout, tensor)[0])
+    assert torch.equal(
+        layer0, kv_iface.create_kv_cache_views(raw, spec, num_blocks, kv_layout, tensor)[0]
+    )
 
     key_cache, value_cache = layer1_view(ref_raw).transpose(1, 2).split(head_size, dim=-1)
     for a, slot in enumerate(case.kwargs["slot_mapping"].tolist()):
@@ -283,8 +353,11 @@ def test_vllm_cache_views_and_flash_attention_split(interp, layout):
             assert torch.equal(value_cache[slot // block_size, slot % block_size], case.value[a])
 
 
-@pytest.mark.parametrize("block_size,head_size,group", [(32, 64, 3), (16, 128, 1)],
-                         ids=["bs32-d64-gqa3", "bs16-d128-mha"])
+@pytest.mark.parametrize(
+    "block_size,head_size,group",
+    [(32, 64, 3), (16, 128, 1)],
+    ids=["bs32-d64-gqa3", "bs16-d128-mha"],
+)
 def test_reference_matches_vllm_cpu_paged_attention(block_size, head_size, group):
     """vLLM's own CPU ops on the same batch: ``cpu_attn_reshape_and_cache`` into a CPU-backend
     cache, ``cpu_attention_with_kv_cache`` with each active token as a one-query request
@@ -307,28 +380,53 @@ def test_reference_matches_vllm_cpu_paged_attention(block_size, head_size, group
     want = pa.paged_attention_reference(case.query, case.key, case.value, case.kv_cache, **kw)
 
     cpu_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = cpu_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+    key_cache, value_cache = cpu_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(
+        2, dim=2
+    )
     ops.cpu_attn_reshape_and_cache(hist_k, hist_v, key_cache, value_cache, hist_slots, isa)
-    ops.cpu_attn_reshape_and_cache(case.key, case.value, key_cache, value_cache, kw["slot_mapping"], isa)
+    ops.cpu_attn_reshape_and_cache(
+        case.key, case.value, key_cache, value_cache, kw["slot_mapping"], isa
+    )
     num_tokens = case.query.shape[0]
     query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32)
     seq_lens = (kw["positions"] + 1).int()
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=num_tokens, num_heads=case.query.shape[1], num_kv_heads=num_kv_heads,
-        head_dim=head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
-        causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        num_reqs=num_tokens,
+        num_heads=case.query.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_size,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=True,
+    )
     got = torch.empty_like(case.query)
     ops.cpu_attention_with_kv_cache(
-        query=case.query, key_cache=key_cache, value_cache=value_cache, output=got,
-        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=kw["scale"], causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=kw["block_table"][kw["req_indices"]].contiguous(),
-        softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+        query=case.query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=got,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        scale=kw["scale"],
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=kw["block_table"][kw["req_indices"]].contiguous(),
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+    )
     torch.testing.assert_close(want, got, **F32_TOL)
 
 
 # ------------------------------------------------------------------------------------------------
 # Gather/scatter, launch plan, dispatcher, errors, GPU.
 # ------------------------------------------------------------------------------------------------
+
 
 def test_gather_scatter_rows_round_trip():
     g = torch.Generator().manual_seed(11)
@@ -367,7 +465,9 @@ def test_launch_config_splits_few_long_rows():
 def test_empty_batch_and_bad_inputs(interp):
     case = make_case(4, 2, 3, 64, 16, 30)
     no_tokens = {k: case.kwargs[k][:0] for k in ("slot_mapping", "req_indices", "positions")}
-    empty = Case(case.query[:0], case.key[:0], case.value[:0], case.kv_cache, {**case.kwargs, **no_tokens})
+    empty = Case(
+        case.query[:0], case.key[:0], case.value[:0], case.kv_cache, {**case.kwargs, **no_tokens}
+    )
     for out, cache in (empty.run_reference(), empty.run_kernel(interp)):
         assert out.shape == (0, 6, 64) and torch.equal(cache, case.kv_cache)
 
@@ -379,8 +479,13 @@ def test_empty_batch_and_bad_inputs(interp):
         with pytest.raises(NotImplementedError, match="quantised"):
             impl(case.query, case.key, case.value, case.kv_cache.half(), **case.kwargs)
         with pytest.raises(ValueError, match="positions"):
-            impl(case.query, case.key, case.value, case.kv_cache,
-                 **{**case.kwargs, "positions": torch.zeros(3)})
+            impl(
+                case.query,
+                case.key,
+                case.value,
+                case.kv_cache,
+                **{**case.kwargs, "positions": torch.zeros(3)},
+            )
 
 
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
@@ -399,16 +504,19 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
 
 def test_dispatcher_forced_triton_runs_the_kernels(interp):
     case = make_case(5, 2, 3, 64, 16, 40, num_pad=1)
-    out, cache, launches = interp("forced_paged_attention", case.query, case.key, case.value,
-                                  case.kv_cache, **case.kwargs)
+    out, cache, launches = interp(
+        "forced_paged_attention", case.query, case.key, case.value, case.kv_cache, **case.kwargs
+    )
     assert launches == {"_write_kv_kernel": 1, "_paged_attention_partial_kernel": 1}
     assert_same((out, cache), case.run_reference(), F32_TOL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
-@pytest.mark.parametrize("shape", [(1, 8, 4, 128, 16, 4096), (64, 8, 4, 128, 16, 1000),
-                                   (30, 3, 3, 64, 16, 777)],
-                         ids=lambda s: "A{}-kv{}-g{}-d{}-bs{}-ctx{}".format(*s))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 8, 4, 128, 16, 4096), (64, 8, 4, 128, 16, 1000), (30, 3, 3, 64, 16, 777)],
+    ids=lambda s: "A{}-kv{}-g{}-d{}-bs{}-ctx{}".format(*s),
+)
 def test_bf16_on_gpu(shape):
     """The compiled kernels on bfloat16 Llama-3-8B (32 q / 8 kv heads) and SmolLM2 (9 / 3) shapes."""
     case = make_case(*shape, num_pad=min(1, shape[0] - 1), dtype=torch.bfloat16)

@@ -10,6 +10,7 @@ with the variable set and talk to it over stdin/stdout: each request is a pickle
 ``(function name, args, kwargs)``, each reply a pickled ``("ok", result)`` or
 ``("error", (exception, traceback text))``.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("start this worker with TRITON_INTERPRET=1 in its environment")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
 from vllm_selfspec.kernels import lm_head_argmax as lm  # noqa: E402
 from vllm_selfspec.kernels import paged_attention as pa  # noqa: E402
 
@@ -53,15 +53,25 @@ def _forced(module, kernel_names, dispatcher, *args, **kwargs):
 
 def forced_dispatch(*args, **kwargs):
     """``lm_head_argmax`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (its result, kernel launches)."""
-    result, launches = _forced(lm, ["_lm_head_argmax_partial_kernel"], lm.lm_head_argmax, *args, **kwargs)
+    result, launches = _forced(
+        lm, ["_lm_head_argmax_partial_kernel"], lm.lm_head_argmax, *args, **kwargs
+    )
     return result, launches["_lm_head_argmax_partial_kernel"]
 
 
 def forced_paged_attention(query, key, value, kv_cache, **kwargs):
     """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (output, the cache as written,
     launches per kernel). The cache comes back because the parent's copy is not the one written."""
-    out, launches = _forced(pa, ["_write_kv_kernel", "_paged_attention_partial_kernel"],
-                            pa.paged_attention, query, key, value, kv_cache, **kwargs)
+    out, launches = _forced(
+        pa,
+        ["_write_kv_kernel", "_paged_attention_partial_kernel"],
+        pa.paged_attention,
+        query,
+        key,
+        value,
+        kv_cache,
+        **kwargs,
+    )
     return out, kv_cache, launches
 
 
@@ -79,13 +89,16 @@ def write_kv_triton(key, value, kv_cache, slot_mapping):
 FUNCTIONS = {
     "lm_head_argmax_triton": lm.lm_head_argmax_triton,
     "forced_dispatch": forced_dispatch,
-    "kernel_is_interpreted": lambda: isinstance(lm._lm_head_argmax_partial_kernel, InterpretedFunction),
+    "kernel_is_interpreted": lambda: isinstance(
+        lm._lm_head_argmax_partial_kernel, InterpretedFunction
+    ),
     "paged_attention_triton": paged_attention_triton,
     "forced_paged_attention": forced_paged_attention,
     "write_kv_triton": write_kv_triton,
     "paged_kernels_are_interpreted": lambda: all(
         isinstance(k, InterpretedFunction)
-        for k in (pa._write_kv_kernel, pa._paged_attention_partial_kernel)),
+        for k in (pa._write_kv_kernel, pa._paged_attention_partial_kernel)
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """Cascade: exits and thresholds from the trained heads, clear errors, and the routing of a draft
 step (first confident exit, shallowest first; no exit ends the round) on a fake model (no vLLM)."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -37,8 +38,11 @@ def policy(path, **opts) -> CascadePolicy:
 
 def test_exits_and_trained_thresholds(tmp_path):
     p = policy(heads_dir(tmp_path))
-    assert p.cascade == (CascadeExit(2, "heads@2", 0.5), CascadeExit(4, "heads@4", 0.6),
-                         CascadeExit(6, "heads@6", 0.7))
+    assert p.cascade == (
+        CascadeExit(2, "heads@2", 0.5),
+        CascadeExit(4, "heads@4", 0.6),
+        CascadeExit(6, "heads@6", 0.7),
+    )
     d = p.propose(None)
     assert d.cascade == p.cascade and d.plan == LayerPlan.prefix(L, 6, "heads@6")
     assert d.num_tokens == 6  # the method's default draft length
@@ -52,15 +56,18 @@ def test_threshold_overrides_and_exit_subset(tmp_path):
     assert [(e.layer, e.threshold) for e in p.cascade] == [(2, 0.5), (6, 0.25)]
 
 
-@pytest.mark.parametrize("opts, match", [
-    ({"exit_layers": [3]}, "subset of the trained exits"),
-    ({"exit_layers": []}, "subset of the trained exits"),
-    ({"thresholds": {"5": 0.5}}, "trained exits are"),
-    ({"thresholds": {"2": 1.5}}, r"must be in \[0, 1\]"),
-    ({"thresholds": "high"}, "thresholds must be"),
-    ({"lossy": "yes"}, "lossy must be true or false"),
-    ({"exit_layer": 4}, "unknown option"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"exit_layers": [3]}, "subset of the trained exits"),
+        ({"exit_layers": []}, "subset of the trained exits"),
+        ({"thresholds": {"5": 0.5}}, "trained exits are"),
+        ({"thresholds": {"2": 1.5}}, r"must be in \[0, 1\]"),
+        ({"thresholds": "high"}, "thresholds must be"),
+        ({"lossy": "yes"}, "lossy must be true or false"),
+        ({"exit_layer": 4}, "unknown option"),
+    ],
+)
 def test_bad_options_are_config_errors(tmp_path, opts, match):
     with pytest.raises(SelfSpecConfigError, match=match):
         policy(heads_dir(tmp_path), **opts)
@@ -78,8 +85,9 @@ def test_wrong_heads_are_refused_with_the_training_command(tmp_path):
 
 def test_auto_heads_missing_says_how_to_train(tmp_path):
     cfg = SelfSpecConfig.load({"method": "cascade"})
-    with pytest.raises(SelfSpecConfigError, match="no trained cascade heads.*train-heads --kind "
-                                                  "cascade --model"):
+    with pytest.raises(
+        SelfSpecConfigError, match="no trained cascade heads.*train-heads --kind cascade --model"
+    ):
         cfg.resolved(str(tmp_path / "some-model"))
 
 
@@ -119,8 +127,11 @@ def fake_executor(confs: dict[int, list[float]]) -> PlanExecutor:
     inner.embed_tokens = nn.Embedding(V, D)
     inner.embed_input_ids = lambda ids: torch.zeros(len(ids), D)
     inner.norm = lambda x: x
-    model = SimpleNamespace(model=inner, logits_processor=SimpleNamespace(scale=1.0, soft_cap=None),
-                            compute_logits=lambda x: x[:, :1].repeat(1, V))  # logits = stream
+    model = SimpleNamespace(
+        model=inner,
+        logits_processor=SimpleNamespace(scale=1.0, soft_cap=None),
+        compute_logits=lambda x: x[:, :1].repeat(1, V),
+    )  # logits = stream
     ex = PlanExecutor(model)
     for layer, conf in confs.items():
         ex.heads[f"heads@{layer}"] = _Head(conf, 0.5)
@@ -131,8 +142,13 @@ def test_rows_take_the_first_confident_exit_and_stop_when_none():
     exits = tuple(CascadeExit(layer, f"heads@{layer}", 0.5) for layer in (2, 4, 6))
     ex = fake_executor({2: [0.9, 0.1, 0.1], 4: [0.9, 0.8, 0.1], 6: [0.9, 0.9, 0.2]})
     plan = LayerPlan.prefix(L, 6)
-    logits, chosen, depth = ex.run_cascade(plan, exits, torch.zeros(3, dtype=torch.long),
-                                           torch.zeros(3, dtype=torch.long), torch.tensor([2] * 3))
+    logits, chosen, depth = ex.run_cascade(
+        plan,
+        exits,
+        torch.zeros(3, dtype=torch.long),
+        torch.zeros(3, dtype=torch.long),
+        torch.tensor([2] * 3),
+    )
     assert chosen.tolist() == [0, 1, -1] and depth == 6
     # the stream after l layers is l: each row's logits come from its own exit
     assert logits[:, 0].tolist() == [2.0, 4.0, 0.0]
@@ -142,15 +158,23 @@ def test_rows_take_the_first_confident_exit_and_stop_when_none():
 def test_the_step_goes_no_deeper_than_needed():
     exits = tuple(CascadeExit(layer, f"heads@{layer}", 0.5) for layer in (2, 4, 6))
     ex = fake_executor({2: [0.9, 0.1], 4: [0.9, 0.7], 6: [0.9, 0.9]})
-    _, chosen, depth = ex.run_cascade(LayerPlan.prefix(L, 6), exits,
-                                      torch.zeros(2, dtype=torch.long),
-                                      torch.zeros(2, dtype=torch.long), torch.tensor([2, 2]))
+    _, chosen, depth = ex.run_cascade(
+        LayerPlan.prefix(L, 6),
+        exits,
+        torch.zeros(2, dtype=torch.long),
+        torch.zeros(2, dtype=torch.long),
+        torch.tensor([2, 2]),
+    )
     assert chosen.tolist() == [0, 1] and depth == 4
     assert [layer.calls for layer in ex.layout.layers] == [1] * 4 + [0] * 4
     ex = fake_executor({2: [0.1], 4: [0.1], 6: [0.1]})
-    logits, chosen, depth = ex.run_cascade(LayerPlan.prefix(L, 6), exits,
-                                           torch.zeros(1, dtype=torch.long),
-                                           torch.zeros(1, dtype=torch.long), torch.tensor([2]))
+    logits, chosen, depth = ex.run_cascade(
+        LayerPlan.prefix(L, 6),
+        exits,
+        torch.zeros(1, dtype=torch.long),
+        torch.zeros(1, dtype=torch.long),
+        torch.tensor([2]),
+    )
     assert logits is None and chosen.tolist() == [-1] and depth == 6
 
 
@@ -159,10 +183,13 @@ def test_later_tokens_exit_no_deeper_than_the_previous_one():
     step stops at the deepest cap still undecided."""
     exits = tuple(CascadeExit(layer, f"heads@{layer}", 0.5) for layer in (2, 4, 6))
     ex = fake_executor({2: [0.1, 0.1, 0.9], 4: [0.9, 0.1, 0.9], 6: [0.9, 0.9, 0.9]})
-    logits, chosen, depth = ex.run_cascade(LayerPlan.prefix(L, 6), exits,
-                                           torch.zeros(3, dtype=torch.long),
-                                           torch.zeros(3, dtype=torch.long),
-                                           torch.tensor([0, 1, 0]))
+    logits, chosen, depth = ex.run_cascade(
+        LayerPlan.prefix(L, 6),
+        exits,
+        torch.zeros(3, dtype=torch.long),
+        torch.zeros(3, dtype=torch.long),
+        torch.tensor([0, 1, 0]),
+    )
     assert chosen.tolist() == [-1, -1, 0] and depth == 4
     assert logits[:, 0].tolist() == [0.0, 0.0, 2.0]
 
@@ -170,8 +197,9 @@ def test_later_tokens_exit_no_deeper_than_the_previous_one():
 # ---- the adaptive walk (optimal stopping over the exits) -------------------------------------
 def _state(p: CascadePolicy, reached, confident, drafted, accepted):
     st = p.new_state()
-    for arr, v in zip((st.reached, st.confident, st.drafted, st.accepted),
-                      (reached, confident, drafted, accepted)):
+    for arr, v in zip(
+        (st.reached, st.confident, st.drafted, st.accepted), (reached, confident, drafted, accepted)
+    ):
         arr[:] = v
     return st
 
@@ -197,10 +225,12 @@ def test_walk_goes_as_deep_as_it_pays(tmp_path):
 def test_walk_uses_measured_costs(tmp_path):
     p = policy(heads_dir(tmp_path))
     st = _state(p, [100] * 3, [50] * 3, [50] * 3, [30] * 3)  # a = 0.6
-    cheap = SimpleNamespace(draft_seconds=lambda x: 0.001 + 0.001 * x,
-                            verify_seconds=lambda n: 0.05 + 0.002 * n)
-    dear = SimpleNamespace(draft_seconds=lambda x: 0.02 + 0.01 * x,
-                           verify_seconds=lambda n: 0.05 + 0.02 * n)
+    cheap = SimpleNamespace(
+        draft_seconds=lambda x: 0.001 + 0.001 * x, verify_seconds=lambda n: 0.05 + 0.002 * n
+    )
+    dear = SimpleNamespace(
+        draft_seconds=lambda x: 0.02 + 0.01 * x, verify_seconds=lambda n: 0.05 + 0.02 * n
+    )
     p.costs = cheap
     assert p.walk_cap(st, 1.0) == 2
     p.costs = dear

@@ -5,8 +5,7 @@ import pytest
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError, is_selfspec, peek_method
 from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy, ModelInfo
 
-MODEL = ModelInfo(num_layers=30, hidden_size=576, vocab_size=49152,
-                  architecture="LlamaForCausalLM")
+MODEL = ModelInfo(num_layers=30, hidden_size=576, vocab_size=49152, architecture="LlamaForCausalLM")
 
 
 def test_defaults_and_forms(tmp_path):
@@ -27,20 +26,23 @@ def test_detection():
     assert peek_method("/no/such/file") is None
 
 
-@pytest.mark.parametrize("raw, match", [
-    ({"method": "nope"}, "unknown selfspec method"),
-    ({"method": "layerskip", "gamma": 3}, "unknown option"),
-    ({"method": "layerskip", "num_speculative_tokens": 200}, "num_speculative_tokens"),
-    ({"method": "layerskip", "num_speculative_tokens": True}, "num_speculative_tokens"),
-    ({"method": "layerskip", "capture_tokens": 0}, "capture_tokens"),
-    ({"method": "layerskip", "goodput": "yes"}, "goodput must be true or false"),
-    ({"method": "layerskip", "lookup": {"max_ngram": 0}}, "min_ngram <= max_ngram"),
-    ({"method": "layerskip", "lookup": {"window": 3}}, "unknown lookup option"),
-    ({"method": "adadecode", "lookup": True}, "cannot be combined with adadecode"),
-    ({"method": "cascade", "lossy": True, "lookup": True}, "unverified"),
-    ({"method": "auto", "exit_layer": 3}, "it chooses the method itself"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ({"method": "nope"}, "unknown selfspec method"),
+        ({"method": "layerskip", "gamma": 3}, "unknown option"),
+        ({"method": "layerskip", "num_speculative_tokens": 200}, "num_speculative_tokens"),
+        ({"method": "layerskip", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "layerskip", "capture_tokens": 0}, "capture_tokens"),
+        ({"method": "layerskip", "goodput": "yes"}, "goodput must be true or false"),
+        ({"method": "layerskip", "lookup": {"max_ngram": 0}}, "min_ngram <= max_ngram"),
+        ({"method": "layerskip", "lookup": {"window": 3}}, "unknown lookup option"),
+        ({"method": "adadecode", "lookup": True}, "cannot be combined with adadecode"),
+        ({"method": "cascade", "lossy": True, "lookup": True}, "unverified"),
+        ({"method": "auto", "exit_layer": 3}, "it chooses the method itself"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_errors(raw, match):
     with pytest.raises(SelfSpecConfigError, match=match):
         SelfSpecConfig.load(raw)
@@ -56,8 +58,7 @@ def test_model_checks():
 
 
 def test_layerskip_policy_is_static():
-    cfg = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 9,
-                               "num_speculative_tokens": 3})
+    cfg = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 9, "num_speculative_tokens": 3})
     policy = cfg.make_policy(MODEL)
     assert isinstance(policy, LayerSkipPolicy)
     d = policy.propose(policy.new_state())
@@ -87,7 +88,6 @@ def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_p
 
 
 def test_goodput_and_lookup_round_trip():
-    cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False,
-                               "lookup": {"max_ngram": 3}})
+    cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False, "lookup": {"max_ngram": 3}})
     assert not cfg.goodput and cfg.lookup == {"max_ngram": 3, "min_ngram": 1, "shared": True}
     assert SelfSpecConfig.load(cfg.to_dict()) == cfg

@@ -2,6 +2,7 @@
 per-layer KV cache: decoding with early predictions, deferred layers and greedy verification
 gives exactly the sequential decode, no row ever reads a KV entry that is missing or stale, and
 no (token, layer) of a verified round is computed twice."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,15 @@ class Cache:
         self.kv: list[dict[int, tuple[int, torch.Tensor]]] = [dict() for _ in range(L)]
         self.computed: list[tuple[int, int, int]] = []  # (pos, token, layer) per computation
 
-    def layer(self, toy: Toy, l: int, xs: list[torch.Tensor], pos: list[int], tok: list[int],
-              seq: list[int]) -> list[torch.Tensor]:
+    def layer(
+        self,
+        toy: Toy,
+        l: int,
+        xs: list[torch.Tensor],
+        pos: list[int],
+        tok: list[int],
+        seq: list[int],
+    ) -> list[torch.Tensor]:
         """Layer l on consecutive rows (causal among them); ``seq`` is the token at every
         position as the current computation sees it (committed + this round's)."""
         for x, p, t in zip(xs, pos, tok):
@@ -100,11 +108,21 @@ class ToyBackend:
             if len(idx) > 1:
                 self.joins += 1
             base = len(self.seqs[r]) - 1
-            xs = [self.state.get((r, i), self.toy.emb[rnd.tokens[i]]) if start else
-                  self.toy.emb[rnd.tokens[i]] for i in idx]
+            xs = [
+                self.state.get((r, i), self.toy.emb[rnd.tokens[i]])
+                if start
+                else self.toy.emb[rnd.tokens[i]]
+                for i in idx
+            ]
             for l in range(start, stop):
-                xs = self.caches[r].layer(self.toy, l, xs, [base + i for i in idx],
-                                          [rnd.tokens[i] for i in idx], self._seq(r))
+                xs = self.caches[r].layer(
+                    self.toy,
+                    l,
+                    xs,
+                    [base + i for i in idx],
+                    [rnd.tokens[i] for i in idx],
+                    self._seq(r),
+                )
             for i, x in zip(idx, xs):
                 self.state[(r, i)] = x
 
@@ -118,8 +136,7 @@ class ToyBackend:
         return toks, ok
 
 
-def adadecode(toy: Toy, prompts: list[list[int]], n_new: int, threshold: float,
-              max_drafts: int):
+def adadecode(toy: Toy, prompts: list[list[int]], n_new: int, threshold: float, max_drafts: int):
     caches = [Cache() for _ in prompts]
     seqs = [list(p) for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
@@ -144,8 +161,9 @@ def adadecode(toy: Toy, prompts: list[list[int]], n_new: int, threshold: float,
             backend.run([rows[j] for j in idx], start, stop)
         for r, (c, m) in enumerate(zip(caches, marks)):  # every (token, layer) exactly once
             base = len(seqs[r]) - 1
-            want = sorted((base + i, t, l) for i, t in enumerate(rounds[r].tokens)
-                          for l in range(L))
+            want = sorted(
+                (base + i, t, l) for i, t in enumerate(rounds[r].tokens) for l in range(L)
+            )
             stats["once"] &= sorted(c.computed[m:]) == want
         for r, rnd in enumerate(rounds):  # greedy verification
             stats["rounds"] += 1
@@ -202,9 +220,11 @@ def test_walk_joins_earlier_tokens_past_their_depth_and_stops_at_confidence():
     rec = _Recorder({0: 6, 1: 4})
     got = walk(rec, rounds, [0, 1], exits=(2, 4, 6))
     assert got == {0: 7, 1: 7}
-    assert rec.calls == [([(0, 1), (1, 0)], 0, 2),  # only the walking tokens below depth 2
-                         ([(0, 0), (0, 1), (1, 0)], 2, 4),  # b joins at its depth
-                         ([(0, 0), (0, 1)], 4, 6)]  # round 1 stopped at 4
+    assert rec.calls == [
+        ([(0, 1), (1, 0)], 0, 2),  # only the walking tokens below depth 2
+        ([(0, 0), (0, 1), (1, 0)], 2, 4),  # b joins at its depth
+        ([(0, 0), (0, 1)], 4, 6),
+    ]  # round 1 stopped at 4
     assert rounds[0].depth == [6, 6] and rounds[1].depth == [4]
     assert rounds[0].exits == [6] and rounds[1].exits == [4]
 
@@ -245,8 +265,10 @@ def _policy(tmp_path, kind="adadecode", ident=None, **opts):
 
     model = ModelInfo(num_layers=8, hidden_size=16, vocab_size=32, architecture="LlamaForCausalLM")
     ident = ident or ModelIdentity("LlamaForCausalLM", 8, 16, 32, "0123456789abcdef")
-    heads = {layer: make_head(kind, ident.hidden_size, 8 if kind == "cascade" else None)
-             for layer in (2, 4, 6)}
+    heads = {
+        layer: make_head(kind, ident.hidden_size, 8 if kind == "cascade" else None)
+        for layer in (2, 4, 6)
+    }
     path = save_heads(tmp_path / f"heads-{kind}-{ident.hidden_size}", HeadSet(kind, heads, ident))
     cfg = SelfSpecConfig.load({"method": "adadecode", "heads": str(path), **opts})
     cfg.validate_for_model(model)
@@ -261,13 +283,16 @@ def test_policy_defaults_and_options(tmp_path):
     assert p.exit_layers == (2, 6) and p.threshold == 0.7 and p.max_draft_tokens == 3
 
 
-@pytest.mark.parametrize("opts,match", [
-    ({"threshold": 0}, r"threshold \(γ\) must be in \(0, 1\]"),
-    ({"threshold": "high"}, "threshold"),
-    ({"exit_layers": [3]}, r"subset of the trained heads' layers \[2, 4, 6\]"),
-    ({"exit_layers": []}, "exit_layers"),
-    ({"exit_layer": 4}, "unknown option"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        ({"threshold": 0}, r"threshold \(γ\) must be in \(0, 1\]"),
+        ({"threshold": "high"}, "threshold"),
+        ({"exit_layers": [3]}, r"subset of the trained heads' layers \[2, 4, 6\]"),
+        ({"exit_layers": []}, "exit_layers"),
+        ({"exit_layer": 4}, "unknown option"),
+    ],
+)
 def test_bad_options_are_config_errors(tmp_path, opts, match):
     from vllm_selfspec.config import SelfSpecConfigError
 
@@ -285,6 +310,8 @@ def test_wrong_or_missing_heads_say_how_to_train(tmp_path):
     with pytest.raises(SelfSpecConfigError, match="hidden_size=32, this model has 16"):
         _policy(tmp_path, ident=other)
     cfg = SelfSpecConfig.load({"method": "adadecode"})
-    with pytest.raises(SelfSpecConfigError, match="no trained AdaDecode heads.*train-heads "
-                                                  "--kind adadecode --model"):
+    with pytest.raises(
+        SelfSpecConfigError,
+        match="no trained AdaDecode heads.*train-heads --kind adadecode --model",
+    ):
         cfg.resolved(str(tmp_path / "some-model"))

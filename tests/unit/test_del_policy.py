@@ -1,12 +1,17 @@
 """DEL's statistics, TPL argmax and dynamic threshold on synthetic shadow tokens (no vLLM)."""
+
 import numpy as np
 import pytest
 import torch
 
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.policies import Feedback, ModelInfo
-from vllm_selfspec.policies.del_ import (DELPolicy, default_exit_layers, round_expectations,
-                                         tpl_table)
+from vllm_selfspec.policies.del_ import (
+    DELPolicy,
+    default_exit_layers,
+    round_expectations,
+    tpl_table,
+)
 
 L = 30
 MODEL = ModelInfo(num_layers=L, hidden_size=64, vocab_size=100, architecture="LlamaForCausalLM")
@@ -21,8 +26,9 @@ def feedback(match: np.ndarray, conf: np.ndarray) -> Feedback:
     m = match.shape[1]
     targets = torch.arange(m)
     tokens = torch.where(torch.from_numpy(match), targets[None, :], targets[None, :] + 50)
-    return Feedback(0, 0, 100, targets=targets, shadow_tokens=tokens,
-                    shadow_conf=torch.from_numpy(conf).float())
+    return Feedback(
+        0, 0, 100, targets=targets, shadow_tokens=tokens, shadow_conf=torch.from_numpy(conf).float()
+    )
 
 
 def test_defaults_follow_the_paper():
@@ -36,7 +42,7 @@ def test_tpl_formula_and_vanilla_column():
     t = tpl_table(alpha, np.array([5.0, 10.0, 20.0]), L, 3)
     assert np.allclose(t[:, 0], 1 / L)  # d = 0: a plain step
     assert t[1, 2] == pytest.approx((1 + 0.5 + 0.25) / (2 * 10 + L))
-    assert t[2, 3] == pytest.approx((1 - 0.9 ** 4) / (0.1 * (3 * 20 + L)))
+    assert t[2, 3] == pytest.approx((1 - 0.9**4) / (0.1 * (3 * 20 + L)))
 
 
 def test_decayed_statistics_and_alpha():
@@ -110,10 +116,15 @@ def test_shadow_backs_off_while_no_exit_pays():
     assert _shadow_rounds(p, bad) == [0, 4, 12, 28, 44]  # intervals 4, 8, 16, 16 (cap 8x2)
 
 
-@pytest.mark.parametrize("opts, match", [
-    ({"exit_layers": [30]}, "exit_layers"), ({"exit_layers": []}, "exit_layers"),
-    ({"omega": 0}, "omega"), ({"shadow_every": 0}, "shadow_every"),
-])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"exit_layers": [30]}, "exit_layers"),
+        ({"exit_layers": []}, "exit_layers"),
+        ({"omega": 0}, "omega"),
+        ({"shadow_every": 0}, "shadow_every"),
+    ],
+)
 def test_bad_options(opts, match):
     with pytest.raises(SelfSpecConfigError, match=match):
         SelfSpecConfig.load({"method": "del", **opts}).validate_for_model(MODEL)

@@ -1,5 +1,6 @@
 """examples/selfspec-<method>.json: one ready config per selfspec method, each valid for the
 embedded model (SmolLM2-135M: 30 layers)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,13 @@ from vllm_selfspec.config import SelfSpecConfig, methods
 from vllm_selfspec.policies import ModelInfo
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-EMBEDDED = ModelInfo(num_layers=30, hidden_size=576, vocab_size=49152,
-                     architecture="LlamaForCausalLM", lm_head_layers=8.0)
+EMBEDDED = ModelInfo(
+    num_layers=30,
+    hidden_size=576,
+    vocab_size=49152,
+    architecture="LlamaForCausalLM",
+    lm_head_layers=8.0,
+)
 
 
 def test_one_example_per_method():

@@ -1,9 +1,16 @@
 """The goodput controller (vllm_selfspec/goodput.py) on synthetic costs and acceptance curves."""
+
 import numpy as np
 import pytest
 
-from vllm_selfspec.goodput import (AcceptanceTracker, Candidate, GoodputController, OnlineFit,
-                                   SearchBudget, StepCostModel)
+from vllm_selfspec.goodput import (
+    AcceptanceTracker,
+    Candidate,
+    GoodputController,
+    OnlineFit,
+    SearchBudget,
+    StepCostModel,
+)
 
 
 def measured(v0=0.05, v1=0.007, d0=0.004, d1=0.0005, d2=0.0002, batches=(1, 2, 4, 8, 16)):
@@ -197,10 +204,15 @@ def test_simulated_batches_never_lose_to_plain_decoding():
         tokens = seconds = 0.0
         for _ in range(steps):
             coef = costs.draft_coefficients()
-            cands = [Candidate(4, tracker.cumulative(s, 4),
-                               0.0 if coef is None else coef[2] * layers,
-                               0.0 if coef is None else coef[0] + coef[1] * layers)
-                     for s in states]
+            cands = [
+                Candidate(
+                    4,
+                    tracker.cumulative(s, 4),
+                    0.0 if coef is None else coef[2] * layers,
+                    0.0 if coef is None else coef[0] + coef[1] * layers,
+                )
+                for s in states
+            ]
             ks = ctl.choose(cands).tokens
             draft = 0.0
             for step in range(max(ks)):

@@ -1,5 +1,6 @@
 """Exit heads (vllm_selfspec.heads) on a tiny random Llama: format, identity, losses, threshold
 selection, data capture, training, resume and the CLI. Never the real model; CPU only."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_selfspec.heads import (HeadSet, HeadsFormatError, HeadsMismatchError, Readout,
-                                 identity_from_hf, identity_from_tensors, load_heads, make_head,
-                                 reference_logits, save_heads)
+from vllm_selfspec.heads import (
+    HeadSet,
+    HeadsFormatError,
+    HeadsMismatchError,
+    Readout,
+    identity_from_hf,
+    identity_from_tensors,
+    load_heads,
+    make_head,
+    reference_logits,
+    save_heads,
+)
 from vllm_selfspec.heads.data import capture
 from vllm_selfspec.heads.evaluate import agreement, select_threshold
 from vllm_selfspec.heads.losses import adadecode_loss, cascade_loss, kl_topk
@@ -26,10 +36,19 @@ def tiny_model(seed: int = 0, layers: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=True,
-                      initializer_range=0.2, eos_token_id=EOS, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        eos_token_id=EOS,
+        pad_token_id=2,
+    )
     return LlamaForCausalLM(cfg).eval().requires_grad_(False)
 
 
@@ -43,7 +62,10 @@ def save_tiny(d: Path, seed: int = 0) -> Path:
         vocab[c] = len(vocab)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
-        unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
+        unk_token="<unk>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+    )
     tok.save_pretrained(d)
     tiny_model(seed).save_pretrained(d)
     return d
@@ -67,8 +89,10 @@ def model():
 def data(model):
     """Greedy generations of the tiny model on 64 random prompts: (train, held-out)."""
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 128, (int(n),), generator=g).tolist()
-               for n in torch.randint(8, 24, (64,), generator=g)]
+    prompts = [
+        torch.randint(3, 128, (int(n),), generator=g).tolist()
+        for n in torch.randint(8, 24, (64,), generator=g)
+    ]
     d = capture(model, prompts, list(LAYERS), 12, 16, {EOS})
     return d.select((d.prompt < 48).nonzero()[:, 0]), d.select((d.prompt >= 48).nonzero()[:, 0])
 
@@ -89,13 +113,19 @@ def trained_like(kind: str, seed: int = 0) -> dict[int, torch.nn.Module]:
 # ---- identity -------------------------------------------------------------------------------
 def test_identity_is_stable_across_dtype_and_tp_shard(model):
     ident = identity_from_hf(model)
-    assert (ident.architecture, ident.num_layers, ident.hidden_size, ident.vocab_size) == \
-        ("LlamaForCausalLM", 4, 64, 128)
+    assert (ident.architecture, ident.num_layers, ident.hidden_size, ident.vocab_size) == (
+        "LlamaForCausalLM",
+        4,
+        64,
+        128,
+    )
     emb, norm = model.model.embed_tokens.weight, model.model.norm.weight
     kw = dict(architecture="LlamaForCausalLM", num_layers=4, hidden_size=64, vocab_size=128)
     # a bf16-loaded copy, and TP rank 0's vocab shard, give the same identity
-    assert identity_from_tensors(embed_weight=emb.bfloat16(), norm_weight=norm.bfloat16(),
-                                 **kw) == ident
+    assert (
+        identity_from_tensors(embed_weight=emb.bfloat16(), norm_weight=norm.bfloat16(), **kw)
+        == ident
+    )
     assert identity_from_tensors(embed_weight=emb[:64], norm_weight=norm, **kw) == ident
     changed = emb.clone()
     changed[3, 7] += 0.5  # inside the hashed slice (every 7th column of the first 64 rows)
@@ -110,8 +140,9 @@ def test_untrained_heads_are_the_raw_lm_head(model):
     for kind in ("adadecode", "cascade"):
         head = make_head(kind, 64)
         torch.testing.assert_close(head.transform(x), x)
-        torch.testing.assert_close(reference_logits(head, x, readout),
-                                   model.lm_head(model.model.norm(x)))
+        torch.testing.assert_close(
+            reference_logits(head, x, readout), model.lm_head(model.model.norm(x))
+        )
     conf = make_head("cascade", 64).confidence(x)
     assert conf.shape == (5,) and bool(((conf >= 0) & (conf <= 1)).all())
     assert make_head("cascade", 64).up.weight.shape == (64, 64)  # bottleneck min(512, d)
@@ -132,16 +163,20 @@ def test_save_load_round_trip(tmp_path, model, kind):
     assert loaded.kind == kind and loaded.layers == list(LAYERS) and loaded.identity == ident
     x = torch.randn(7, 64)
     for l in LAYERS:
-        torch.testing.assert_close(loaded[l].transform(x), heads[l].transform(x).detach(),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded[l].transform(x), heads[l].transform(x).detach(), rtol=0, atol=0
+        )
         if kind == "cascade":
-            torch.testing.assert_close(loaded[l].confidence(x), heads[l].confidence(x).detach(),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                loaded[l].confidence(x), heads[l].confidence(x).detach(), rtol=0, atol=0
+            )
             assert loaded[l].threshold == pytest.approx(0.25 + 0.1 * l)
-    assert loaded.thresholds == ({l: pytest.approx(0.25 + 0.1 * l) for l in LAYERS}
-                                 if kind == "cascade" else None)
+    assert loaded.thresholds == (
+        {l: pytest.approx(0.25 + 0.1 * l) for l in LAYERS} if kind == "cascade" else None
+    )
     # heads never carry the model's norm / LM head
     from safetensors import safe_open
+
     with safe_open(str(out / "heads.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert all(128 not in s for s in shapes.values()), shapes
@@ -149,8 +184,9 @@ def test_save_load_round_trip(tmp_path, model, kind):
 
 
 def test_loading_for_another_model_is_a_clear_error(tmp_path, model):
-    out = save_heads(tmp_path / "h", HeadSet("adadecode", trained_like("adadecode"),
-                                             identity_from_hf(model)))
+    out = save_heads(
+        tmp_path / "h", HeadSet("adadecode", trained_like("adadecode"), identity_from_hf(model))
+    )
     with pytest.raises(HeadsMismatchError, match="fingerprint: trained for"):
         load_heads(out, expect=identity_from_hf(tiny_model(seed=1)))
     with pytest.raises(HeadsMismatchError, match="num_layers: trained for 4, model has 6"):
@@ -160,9 +196,11 @@ def test_loading_for_another_model_is_a_clear_error(tmp_path, model):
 def test_format_errors(tmp_path, model):
     with pytest.raises(HeadsFormatError, match="no config.json"):
         load_heads(tmp_path, expect=None)
-    out = save_heads(tmp_path / "h", HeadSet("cascade", trained_like("cascade"),
-                                             identity_from_hf(model)))
+    out = save_heads(
+        tmp_path / "h", HeadSet("cascade", trained_like("cascade"), identity_from_hf(model))
+    )
     from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(out / "heads.safetensors"))
     del tensors["2.up.weight"]
     save_file(tensors, str(out / "heads.safetensors"))
@@ -176,8 +214,12 @@ def test_kl_topk_is_exact_with_a_one_token_tail_and_a_lower_bound_otherwise():
     final, head = torch.randn(6, 50) * 2, torch.randn(6, 50) * 2
     for T in (1.0, 2.0):
         lse = torch.logsumexp(final / T, -1)
-        ref = torch.nn.functional.kl_div((head / T).log_softmax(-1), (final / T).log_softmax(-1),
-                                         reduction="none", log_target=True).sum(-1)
+        ref = torch.nn.functional.kl_div(
+            (head / T).log_softmax(-1),
+            (final / T).log_softmax(-1),
+            reduction="none",
+            log_target=True,
+        ).sum(-1)
         assert ref.min() > 0.1
         vals, ids = final.topk(49, -1)  # the tail bucket is one token: nothing is coarsened
         torch.testing.assert_close(kl_topk(head, ids, vals, lse, T), ref, rtol=1e-4, atol=1e-5)
@@ -198,6 +240,7 @@ def test_threshold_selection_maximises_f1():
         pred = scores >= t
         tp = int((pred & labels).sum())
         return 2 * tp / (int(pred.sum()) + int(labels.sum()))
+
     brute = max(f1(float(t)) for t in scores.unique())
     assert best["f1"] == pytest.approx(brute) == pytest.approx(f1(best["threshold"]))
     pred = scores >= best["threshold"]
@@ -219,12 +262,14 @@ def test_capture_matches_an_unbatched_forward(model):
         with torch.no_grad():
             out = model(torch.tensor([p + gen]), output_hidden_states=True)
         for l in LAYERS:
-            torch.testing.assert_close(d.hidden[l][rows], out.hidden_states[l][0, 1:len(rows) + 1],
-                                       rtol=1e-4, atol=1e-4)
-        logits = out.logits[0, 1:len(rows) + 1]
+            torch.testing.assert_close(
+                d.hidden[l][rows], out.hidden_states[l][0, 1 : len(rows) + 1], rtol=1e-4, atol=1e-4
+            )
+        logits = out.logits[0, 1 : len(rows) + 1]
         assert torch.equal(d.topk_ids[rows, 0], logits.argmax(-1))
-        torch.testing.assert_close(d.lse[rows, 0], torch.logsumexp(logits, -1), rtol=1e-4,
-                                   atol=1e-4)
+        torch.testing.assert_close(
+            d.lse[rows, 0], torch.logsumexp(logits, -1), rtol=1e-4, atol=1e-4
+        )
         assert int(d.generated[rows].sum()) == len(gen) and bool(d.generated[rows][-1])
 
 
@@ -237,8 +282,18 @@ def test_training_reduces_the_loss(model, data, kind):
 
     def losses(heads, d):
         with torch.no_grad():
-            return [float(loss_fn(reference_logits(heads[l], d.hidden[l], readout), d.topk_ids,
-                                  d.topk_logits, d.lse)) for l in LAYERS]
+            return [
+                float(
+                    loss_fn(
+                        reference_logits(heads[l], d.hidden[l], readout),
+                        d.topk_ids,
+                        d.topk_logits,
+                        d.lse,
+                    )
+                )
+                for l in LAYERS
+            ]
+
     torch.manual_seed(0)
     heads = {l: make_head(kind, 64) for l in LAYERS}
     before, before_held_out = losses(heads, train), losses(heads, held_out)
@@ -248,8 +303,10 @@ def test_training_reduces_the_loss(model, data, kind):
     assert all(a < 0.9 * b for a, b in zip(after, before)), (before, after)
     if kind == "adadecode":  # d² parameters generalise on this data; the adapter overfits it
         after_held_out = losses(heads, held_out)
-        assert all(a < b for a, b in zip(after_held_out, before_held_out)), \
-            (before_held_out, after_held_out)
+        assert all(a < b for a, b in zip(after_held_out, before_held_out)), (
+            before_held_out,
+            after_held_out,
+        )
     table = agreement(heads, readout, train, generated_only=False)
     assert sum(r["head_top1"] - r["raw_top1"] for r in table.values()) > 0.05, table
 
@@ -271,6 +328,7 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path, model, data, mon
         if step == 7:
             raise KeyboardInterrupt
         return batch_indices(n, bs, step, seed)
+
     monkeypatch.setattr(train_mod, "batch_indices", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "state.pt")
@@ -289,13 +347,41 @@ def test_cli_smoke_train_and_eval(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_SELFSPEC_HOME", str(tmp_path / "home"))
     model_dir = save_tiny(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x * {i} + "})
-                               + "\n" for i in range(40)))
-    common = ["--model", str(model_dir), "--layers", "1,3", "--sources", str(prompts),
-              "--max-new-tokens", "8", "--steps", "6", "--batch-size", "32"]
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"def f{i}(x):\n    return x * {i} + "}) + "\n" for i in range(40)
+        )
+    )
+    common = [
+        "--model",
+        str(model_dir),
+        "--layers",
+        "1,3",
+        "--sources",
+        str(prompts),
+        "--max-new-tokens",
+        "8",
+        "--steps",
+        "6",
+        "--batch-size",
+        "32",
+    ]
     for kind in ("cascade", "adadecode"):
-        assert main(["train-heads", "--kind", kind, "--out", str(tmp_path / kind),
-                     "--est-steps", "5", *common]) == 0
+        assert (
+            main(
+                [
+                    "train-heads",
+                    "--kind",
+                    kind,
+                    "--out",
+                    str(tmp_path / kind),
+                    "--est-steps",
+                    "5",
+                    *common,
+                ]
+            )
+            == 0
+        )
     config = json.loads((tmp_path / "cascade" / "config.json").read_text())
     meta = config["training"]
     assert config["layers"] == [1, 3] and set(config["thresholds"]) == {"1", "3"}
@@ -306,8 +392,22 @@ def test_cli_smoke_train_and_eval(tmp_path, monkeypatch):
     used = json.loads((tmp_path / "cascade" / "train_prompts.json").read_text())["prompts"]
     for kind in ("cascade", "adadecode"):
         out = tmp_path / f"eval-{kind}.json"
-        assert main(["eval-heads", "--heads", str(tmp_path / kind), "--prompts", str(prompts),
-                     "--out", str(out), "--max-new-tokens", "8"]) == 0
+        assert (
+            main(
+                [
+                    "eval-heads",
+                    "--heads",
+                    str(tmp_path / kind),
+                    "--prompts",
+                    str(prompts),
+                    "--out",
+                    str(out),
+                    "--max-new-tokens",
+                    "8",
+                ]
+            )
+            == 0
+        )
         result = json.loads(out.read_text())
         assert result["skipped_training_prompts"] == len(used) > 0
         assert result["num_prompts"] == 40 - len(used)
@@ -326,6 +426,7 @@ def test_embedded_heads_are_trained_once(tmp_path, monkeypatch, model):
     def fake_train(model_path, cfg, out, progress=True):
         calls.append(cfg)
         return save_heads(out, HeadSet(cfg.kind, trained_like(cfg.kind), identity_from_hf(model)))
+
     monkeypatch.setattr("vllm_selfspec.heads.train.train_heads", fake_train)
     first = embedded.ensure_embedded_heads("adadecode", progress=False)
     assert first == tmp_path / "heads" / "smollm2-135m-instruct-adadecode"

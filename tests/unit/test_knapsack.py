@@ -1,4 +1,5 @@
 """KnapSpec's search on synthetic tensors (no vLLM): latency model, parallel DP, TPT selection."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,8 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_selfspec.policies.knapsack import (MAX_WEIGHT, LatencyModel, expected_tokens,
-                                             knapsack_dp, mean_cosine, search, select, tpt_table)
+from vllm_selfspec.policies.knapsack import (
+    MAX_WEIGHT,
+    LatencyModel,
+    expected_tokens,
+    knapsack_dp,
+    mean_cosine,
+    search,
+    select,
+    tpt_table,
+)
 
 D = 16
 
@@ -39,17 +48,16 @@ def run_plan(x, sublayer, num_sublayers, skip):
 
 # ---- latency model ------------------------------------------------------------------------------
 def test_latency_fit_recovers_the_line_and_weights():
-    lm = LatencyModel.fit([(n, 2e-6 * n + 1e-4) for n in (64, 512, 2048)], t_mlp=3e-4,
-                          t_head=1e-3)
+    lm = LatencyModel.fit([(n, 2e-6 * n + 1e-4) for n in (64, 512, 2048)], t_mlp=3e-4, t_head=1e-3)
     assert lm.c2 == pytest.approx(2e-6) and lm.c3 == pytest.approx(1e-4)
     assert lm.weights(0) == (1, 3)  # Δ = t_attn: MLP weighs 3
     assert lm.weights(100) == (1, 1)  # t_attn = 3e-4 = t_mlp
     assert lm.weights(1000) == (7, 1)  # t_attn = 2.1e-3: Δ = t_mlp
-    assert lm.weights(10 ** 9) == (MAX_WEIGHT, 1)
+    assert lm.weights(10**9) == (MAX_WEIGHT, 1)
     assert LatencyModel.from_dict(lm.to_dict()) == lm
     # noise with a negative slope: constant attention time
     flat = LatencyModel.fit([(64, 2e-4), (512, 1.9e-4)], t_mlp=1e-4)
-    assert flat.c2 == 0 and flat.t_attn(10 ** 6) == pytest.approx(1.95e-4)
+    assert flat.c2 == 0 and flat.t_attn(10**6) == pytest.approx(1.95e-4)
     with pytest.raises(ValueError):
         LatencyModel.fit([], t_mlp=1e-4)
 
@@ -166,9 +174,11 @@ def test_no_draft_when_nothing_pays_off():
     lm = LatencyModel(t_mlp=1e-3, c2=0.0, c3=1e-3, t_head=1e-3)
     # drafting is as dear as verifying and every candidate disagrees with the full model
     contrary = lambda states: torch.where(  # noqa: E731
-        (states - (x0 + v.sum(0))).norm(dim=-1) < 1e-4, 0, 1)
-    choice = search(refs, sublayer, contrary, lm, L, n=10, max_draft=4,
-                    verify_ratio=[1.0, 1.5, 2.0, 2.5, 3.0])
+        (states - (x0 + v.sum(0))).norm(dim=-1) < 1e-4, 0, 1
+    )
+    choice = search(
+        refs, sublayer, contrary, lm, L, n=10, max_draft=4, verify_ratio=[1.0, 1.5, 2.0, 2.5, 3.0]
+    )
     assert choice.gamma == 0
 
 
@@ -179,8 +189,9 @@ def test_select_uses_verify_ratio():
     dp = knapsack_dp(refs, sublayer, 2 * L, 1, 1)
     lm = LatencyModel(t_mlp=1e-3, c2=0.0, c3=1e-3, t_head=0.0)
     flat = select(dp, _head(x0), lm, L, 10, max_draft=8)
-    steep = select(dp, _head(x0), lm, L, 10, max_draft=8,
-                   verify_ratio=[1.0 + 2.0 * g for g in range(9)])
+    steep = select(
+        dp, _head(x0), lm, L, 10, max_draft=8, verify_ratio=[1.0 + 2.0 * g for g in range(9)]
+    )
     assert flat.gamma == 8 and steep.gamma < flat.gamma
     assert math.isfinite(steep.tpt) and steep.tpt < flat.tpt
     assert mean_cosine(dp.states, dp.reference).shape == (len(dp.budgets),)
@@ -198,12 +209,20 @@ def _policy(L=3, **opts):
 def _feedback(n, m, L=3):
     from vllm_selfspec.policies import Feedback
 
-    return Feedback(0, 0, n, hidden=torch.randn(L + 1, m, D), targets=torch.zeros(m, dtype=torch.long))
+    return Feedback(
+        0, 0, n, hidden=torch.randn(L + 1, m, D), targets=torch.zeros(m, dtype=torch.long)
+    )
 
 
-@pytest.mark.parametrize("opts, match", [({"interval": 0}, "interval"),
-                                         ({"tau": 2}, "tau"), ({"history_rounds": 1.5}, "history"),
-                                         ({"min_confidence": "high"}, "min_confidence")])
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"interval": 0}, "interval"),
+        ({"tau": 2}, "tau"),
+        ({"history_rounds": 1.5}, "history"),
+        ({"min_confidence": "high"}, "min_confidence"),
+    ],
+)
 def test_policy_rejects_bad_options(opts, match):
     with pytest.raises(ValueError, match=f"knapspec: {match}"):
         _policy(**opts)

@@ -1,4 +1,5 @@
 """Context lookup (vllm_selfspec/lookup.py) against brute force, and the free/paid choice."""
+
 import random
 
 import numpy as np
@@ -15,7 +16,7 @@ def brute_next(tokens, context, max_n, min_n):
         key = list(context[-n:])
         followers = {}
         for end in range(n, len(tokens)):
-            if tokens[end - n:end] == key:
+            if tokens[end - n : end] == key:
                 count, _ = followers.get(tokens[end], (0, -1))
                 followers[tokens[end]] = (count + 1, end)
         if followers:
@@ -46,7 +47,7 @@ def test_incremental_updates_equal_a_rebuild():
     i = 0
     while i < len(tokens):
         step = rng.randint(1, 7)
-        pieces.extend(tokens[i:i + step])
+        pieces.extend(tokens[i : i + step])
         i += step
     assert pieces.follow == whole.follow and pieces.tokens == whole.tokens
 
@@ -78,8 +79,7 @@ def test_options():
     assert check_options(False) == {} and check_options(None) == {}
     assert check_options(True) == {"max_ngram": 4, "min_ngram": 1, "shared": True}
     assert check_options({"max_ngram": 6})["max_ngram"] == 6
-    for bad in ({"max_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}, {"x": 1}, "yes",
-                {"shared": 1}):
+    for bad in ({"max_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}, {"x": 1}, "yes", {"shared": 1}):
         with pytest.raises(ValueError):
             check_options(bad)
 

@@ -1,5 +1,6 @@
 """selfspec's Prometheus metrics: stats -> metric families, and the collector's RPC pull from a
 thread (as vLLM's /metrics handler runs) and from the event loop (last snapshot)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,10 @@ def test_families():
     assert m[f"vllm:selfspec_acceptance_rate{{{lab}}}"] == pytest.approx(0.4)
     assert m[f"vllm:selfspec_live_requests{{{lab}}}"] == 2
     # draft length histogram: cumulative buckets 0..3, sum = 2*3 + 3
-    assert [m[f'vllm:selfspec_draft_length_bucket{{le="{b}",{lab}}}'] for b in
-            ("0.0", "1.0", "2.0", "3.0", "+Inf")] == [1, 1, 4, 5, 5]
+    assert [
+        m[f'vllm:selfspec_draft_length_bucket{{le="{b}",{lab}}}']
+        for b in ("0.0", "1.0", "2.0", "3.0", "+Inf")
+    ] == [1, 1, 4, 5, 5]
     assert m[f"vllm:selfspec_draft_length_sum{{{lab}}}"] == 9
     assert m[f'vllm:selfspec_exit_layer_bucket{{le="4.0",{lab}}}'] == 3
     assert m[f'vllm:selfspec_exit_layer_bucket{{le="6.0",{lab}}}'] == 5
@@ -114,8 +117,7 @@ def test_cascade_families():
     lab = 'method="cascade",model_name="m"'
     assert m[f"vllm:selfspec_unverified_tokens_total{{{lab}}}"] == 7
     assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="8",{lab},outcome="accepted"}}'] == 4
-    assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="none",{lab},'
-             f'outcome="drafted"}}'] == 3
+    assert m[f'vllm:selfspec_cascade_exit_tokens_total{{exit="none",{lab},outcome="drafted"}}'] == 3
 
 
 def test_adadecode_families():

@@ -13,8 +13,14 @@ def test_version_check():
         compat.check_vllm_version("0.33.0")
 
 
-@pytest.mark.parametrize("x", [torch.tensor([0.0, 0.7, 1.3]), torch.tensor([0, 5, 9]),
-                               torch.tensor([0.0, 0.7, 1.3], dtype=torch.float64)])
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.tensor([0.0, 0.7, 1.3]),
+        torch.tensor([0, 5, 9]),
+        torch.tensor([0.0, 0.7, 1.3], dtype=torch.float64),
+    ],
+)
 def test_expand_batch_to_tokens(x):
     cu = torch.tensor([2, 2, 5])
     out = expand_batch_to_tokens(x, cu, 5, replace_from=0, replace_to=1)

@@ -1,4 +1,5 @@
 """The quality scores of `bench --quality` (token agreement, ROUGE-L, HumanEval pass@1)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The reduced draft vocabulary's token-frequency map (vllm_selfspec.vocab) and its config."""
+
 import json
 
 import pytest
@@ -7,8 +8,15 @@ import torch
 from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
 from vllm_selfspec.heads.identity import HeadsMismatchError, ModelIdentity
 from vllm_selfspec.policies import ModelInfo
-from vllm_selfspec.vocab import (DraftVocabError, count_tokens, coverage, identity_from_checkpoint,
-                                 load_vocab, ranking, save_vocab)
+from vllm_selfspec.vocab import (
+    DraftVocabError,
+    count_tokens,
+    coverage,
+    identity_from_checkpoint,
+    load_vocab,
+    ranking,
+    save_vocab,
+)
 
 IDENT = ModelIdentity("LlamaForCausalLM", 4, 64, 10, "0123456789abcdef")
 MODEL = ModelInfo(num_layers=4, hidden_size=64, vocab_size=10, architecture="LlamaForCausalLM")
@@ -54,13 +62,28 @@ def test_identity_from_checkpoint_matches_the_tensors(tmp_path):
 
     g = torch.Generator().manual_seed(0)
     emb, norm = torch.randn(100, 16, generator=g), torch.randn(16, generator=g)
-    save_file({"model.embed_tokens.weight": emb, "model.norm.weight": norm},
-              str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 16,
-        "vocab_size": 100}))
-    want = identity_from_tensors(architecture="LlamaForCausalLM", num_layers=2, hidden_size=16,
-                                 vocab_size=100, embed_weight=emb, norm_weight=norm)
+    save_file(
+        {"model.embed_tokens.weight": emb, "model.norm.weight": norm},
+        str(tmp_path / "model.safetensors"),
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "num_hidden_layers": 2,
+                "hidden_size": 16,
+                "vocab_size": 100,
+            }
+        )
+    )
+    want = identity_from_tensors(
+        architecture="LlamaForCausalLM",
+        num_layers=2,
+        hidden_size=16,
+        vocab_size=100,
+        embed_weight=emb,
+        norm_weight=norm,
+    )
     assert identity_from_checkpoint(tmp_path) == want
 
 
@@ -72,8 +95,9 @@ def test_config_options(tmp_path):
         with pytest.raises(SelfSpecConfigError, match="draft_vocab_size"):
             SelfSpecConfig.load({"method": "layerskip", "draft_vocab_size": bad})
     with pytest.raises(SelfSpecConfigError, match="exceeds"):
-        SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2,
-                             "draft_vocab_size": 11}).validate_for_model(MODEL)
+        SelfSpecConfig.load(
+            {"method": "layerskip", "exit_layer": 2, "draft_vocab_size": 11}
+        ).validate_for_model(MODEL)
 
 
 def test_auto_without_a_cached_map_says_how_to_build_it(tmp_path, monkeypatch):
@@ -87,15 +111,21 @@ def test_auto_without_a_cached_map_says_how_to_build_it(tmp_path, monkeypatch):
 
 def test_an_explicit_map_is_checked_against_the_model(tmp_path):
     out = save_vocab(tmp_path / "v", torch.ones(10, dtype=torch.int64), IDENT, {})
-    ok = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2, "draft_vocab_size": 4,
-                              "draft_vocab": str(out)})
+    ok = SelfSpecConfig.load(
+        {"method": "layerskip", "exit_layer": 2, "draft_vocab_size": 4, "draft_vocab": str(out)}
+    )
     ok.resolved("unused").validate_for_model(MODEL)
-    bigger = ModelInfo(num_layers=4, hidden_size=64, vocab_size=20,
-                       architecture="LlamaForCausalLM")
+    bigger = ModelInfo(num_layers=4, hidden_size=64, vocab_size=20, architecture="LlamaForCausalLM")
     with pytest.raises(SelfSpecConfigError, match="vocab_size=10"):
         ok.validate_for_model(bigger)
-    missing = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2,
-                                   "draft_vocab_size": 4, "draft_vocab": str(tmp_path / "no")})
+    missing = SelfSpecConfig.load(
+        {
+            "method": "layerskip",
+            "exit_layer": 2,
+            "draft_vocab_size": 4,
+            "draft_vocab": str(tmp_path / "no"),
+        }
+    )
     with pytest.raises(SelfSpecConfigError, match="draft_vocab: .*not a draft-vocabulary"):
         missing.validate_for_model(MODEL)
 
@@ -111,7 +141,8 @@ def test_auto_size_uses_a_cached_map_or_the_full_vocabulary(tmp_path, monkeypatc
     save_vocab(default_vocab_dir(model), torch.ones(10, dtype=torch.int64), IDENT, {})
     r = cfg.resolved(model)
     assert r.draft_vocab_size == AUTO_DRAFT_VOCAB_SIZE and r.draft_vocab == str(
-        default_vocab_dir(model))
+        default_vocab_dir(model)
+    )
 
 
 def test_auto_size_is_the_methods_own_when_it_has_one(tmp_path, monkeypatch):

@@ -20,11 +20,13 @@ A pending round is used only by the very next target forward, only for the rows 
 exactly its tokens at its positions and KV slots (the scheduler may verify fewer drafts, skip or
 preempt the request); anything else runs from layer 0, which is always correct.
 """
+
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -46,8 +48,17 @@ class _DraftBackend:
     """``deferred.Backend`` for one draft round of a batch of requests: row (r, i) is token i of
     request r's round, at flat index ``r * width + i`` of the state buffers."""
 
-    def __init__(self, engine: "DeferredEngine", runner, rows: list[int], rounds: list[Round],
-                 pos0: np.ndarray, width: int, temps: list[float], probs):
+    def __init__(
+        self,
+        engine: DeferredEngine,
+        runner,
+        rows: list[int],
+        rounds: list[Round],
+        pos0: np.ndarray,
+        width: int,
+        temps: list[float],
+        probs,
+    ):
         p = engine.proposer
         self.engine, self.p, self.rounds, self.width = engine, p, rounds, width
         self.exe = p.executor
@@ -62,8 +73,9 @@ class _DraftBackend:
         limit = self.table.shape[1] * self.block_size - 1  # rows past a request's max never run
         p_clamped = pos.clamp(max=limit).to(dev)
         blk = self.table.gather(1, p_clamped // self.block_size)
-        self.slots = (blk.to(torch.int64) * self.block_size + p_clamped % self.block_size
-                      ).reshape(-1)
+        self.slots = (blk.to(torch.int64) * self.block_size + p_clamped % self.block_size).reshape(
+            -1
+        )
         d = p.info.hidden_size
         param = self.exe.layout.norm.weight
         self.h = torch.zeros(B * width, d, dtype=param.dtype, device=dev)
@@ -75,8 +87,9 @@ class _DraftBackend:
         self._md: dict[tuple, tuple] = {}
 
     def _idx(self, rows: list[tuple[int, int]]) -> torch.Tensor:
-        return torch.tensor([r * self.width + i for r, i in rows], dtype=torch.long,
-                            device=self.h.device)
+        return torch.tensor(
+            [r * self.width + i for r, i in rows], dtype=torch.long, device=self.h.device
+        )
 
     def run(self, rows: list[tuple[int, int]], start: int, stop: int) -> None:
         key = tuple(rows)
@@ -85,11 +98,16 @@ class _DraftBackend:
             reqs = list(per_req)
             idx = self._idx(rows)
             # each request's rows end at its round's last token
-            seq = torch.tensor([int(self.pos0[r]) + len(self.rounds[r].tokens) for r in reqs],
-                               dtype=torch.int32)
-            md = self.p.rows_metadata(self.table[torch.tensor(reqs, device=self.h.device)],
-                                      list(per_req.values()), seq, self.slots[idx],
-                                      self.pos[idx])
+            seq = torch.tensor(
+                [int(self.pos0[r]) + len(self.rounds[r].tokens) for r in reqs], dtype=torch.int32
+            )
+            md = self.p.rows_metadata(
+                self.table[torch.tensor(reqs, device=self.h.device)],
+                list(per_req.values()),
+                seq,
+                self.slots[idx],
+                self.pos[idx],
+            )
             self._md[key] = (idx, md)
         idx, (md, slot_map) = self._md[key]
         if start == 0:  # rows entering the model: embeddings, no residual yet
@@ -98,8 +116,9 @@ class _DraftBackend:
         else:
             h, res = self.h[idx], self.res[idx]
         t0 = time.perf_counter()
-        with self.p._set_forward_context(md, self.p.vllm_config, num_tokens=len(rows),
-                                         slot_mapping=slot_map):
+        with self.p._set_forward_context(
+            md, self.p.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
+        ):
             h, res = self.exe.run_layers(self.plan, h, res, self.pos[idx], start, stop)
         self.h[idx], self.res[idx] = h, res
         st = self.p.stats
@@ -134,8 +153,7 @@ class _DraftBackend:
                 qa = q[a]
                 if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
                     qa = qa.new_zeros(self.p.info.vocab_size).index_copy_(0, vocab_ids, qa)
-                self.probs[r, len(self.rounds[r].tokens) - 1] = qa.to(
-                    self.probs.dtype)
+                self.probs[r, len(self.rounds[r].tokens) - 1] = qa.to(self.probs.dtype)
         return tokens, confident
 
 
@@ -177,7 +195,8 @@ class DeferredEngine:
             flat = torch.arange(j * backend.width, j * backend.width + n, device=backend.h.device)
             req_id = ib.req_ids[i]
             self.pending[req_id] = PendingRound(
-                rnd, int(pos0[j]), backend.slots[flat].cpu(), backend.h[flat], backend.res[flat])
+                rnd, int(pos0[j]), backend.slots[flat].cpu(), backend.h[flat], backend.res[flat]
+            )
             self.round_exits[req_id] = list(rnd.exits)
             st.draft_length_hist[len(rnd.drafts)] += 1
             if rnd.drafts:
@@ -193,7 +212,7 @@ class DeferredEngine:
             return None
         ib = runner.input_batch
         num_reqs = ib.num_reqs
-        qsl = runner.query_start_loc.np[:num_reqs + 1].astype(np.int64)
+        qsl = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
         N, real = input_ids.shape[0], int(qsl[-1])
         layout = self.proposer.executor.layout
         slot_all = compat.forward_slot_mapping(layout.attn_layer_names[0])
@@ -221,28 +240,33 @@ class DeferredEngine:
         res = torch.zeros_like(h)
         for a, n, rec in resumed:
             m = sum(1 for d in rec.round.depth[:n] if d > 0)  # rows at depth 0 start afresh
-            h[a:a + m], res[a:a + m] = rec.h[:m], rec.res[:m]
+            h[a : a + m], res[a : a + m] = rec.h[:m], rec.res[:m]
         self._count(ib, qsl, depth)
         plan = LayerPlan.full(self.L)
         exe = self.proposer.executor
         req_of_row = np.searchsorted(qsl, np.arange(real), side="right") - 1
         for start, stop, rows in finish_plan(depth.tolist(), self.L):
             if len(rows) == real:  # every row: the runner's own metadata is in the context
-                hh, rr = exe.run_layers(plan, h, None if start == 0 else res, positions, start,
-                                        stop)
+                hh, rr = exe.run_layers(
+                    plan, h, None if start == 0 else res, positions, start, stop
+                )
                 h, res = hh, rr
                 continue
             idx = torch.tensor(rows, dtype=torch.long, device=h.device)
             reqs, counts = np.unique(req_of_row[rows], return_counts=True)
             seq = positions[torch.from_numpy(qsl[reqs + 1] - 1).to(positions.device)] + 1
             table = ib.block_table[0].get_device_tensor(num_reqs)[
-                torch.from_numpy(reqs).to(h.device)]
-            md, slot_map = self.proposer.rows_metadata(table, counts.tolist(), seq, slot_all[idx],
-                                         positions[idx])
-            with self.proposer._set_forward_context(md, self.proposer.vllm_config,
-                                                    num_tokens=len(rows), slot_mapping=slot_map):
-                hh, rr = exe.run_layers(plan, h[idx], None if start == 0 else res[idx],
-                                        positions[idx], start, stop)
+                torch.from_numpy(reqs).to(h.device)
+            ]
+            md, slot_map = self.proposer.rows_metadata(
+                table, counts.tolist(), seq, slot_all[idx], positions[idx]
+            )
+            with self.proposer._set_forward_context(
+                md, self.proposer.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
+            ):
+                hh, rr = exe.run_layers(
+                    plan, h[idx], None if start == 0 else res[idx], positions[idx], start, stop
+                )
             h[idx], res[idx] = hh, rr
         return layout.norm(h, res)[0]
 
@@ -250,11 +274,11 @@ class DeferredEngine:
         """Layer computations of the decode rows of this pass (prefill rows excluded)."""
         st = self.proposer.stats
         self.decoding = set()
-        for i, req_id in enumerate(ib.req_ids[:ib.num_reqs]):
+        for i, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
             if ib.num_computed_tokens_cpu[i] < ib.num_prompt_tokens[i]:
                 continue
             self.decoding.add(req_id)
-            d = depth[qsl[i]:qsl[i + 1]]
+            d = depth[qsl[i] : qsl[i + 1]]
             st.verify_token_layers += int((self.L - d).sum())
             st.verify_rows += len(d)
             st.target_layers -= int(d.min())  # the pass ran L - min(depth) layers for it
@@ -262,7 +286,7 @@ class DeferredEngine:
     def count_plain(self, runner) -> None:
         """A target forward without resumed rows: its decode rows ran every layer."""
         ib = runner.input_batch
-        qsl = runner.query_start_loc.np[:ib.num_reqs + 1].astype(np.int64)
+        qsl = runner.query_start_loc.np[: ib.num_reqs + 1].astype(np.int64)
         self._count(ib, qsl, np.zeros(int(qsl[-1]), dtype=np.int64))
 
     def forget(self, req_id: str) -> None:

@@ -6,6 +6,7 @@ residual stream. Skipping a sub-layer leaves the pending delta for the next norm
 skipped this is bit-identical to ``LlamaDecoderLayer.forward`` (the textbook ``x + f(norm(x))``
 is not). Must run inside vLLM's forward context (attention finds its KV cache and metadata there).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,15 +40,23 @@ class PlanExecutor:
         self.vocab_ids = ids.to(self.vocab_weight.device)
         self._vocab_linear = linear(self.vocab_weight)
 
-    def run(self, plan: LayerPlan, input_ids: torch.Tensor,
-            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, plan: LayerPlan, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(pending, residual)`` after the plan's last layer (the stream is their sum)."""
-        return self.run_layers(plan, self.layout.embed(input_ids), None, positions,
-                               0, plan.exit_layer)
+        return self.run_layers(
+            plan, self.layout.embed(input_ids), None, positions, 0, plan.exit_layer
+        )
 
-    def run_layers(self, plan: LayerPlan, h: torch.Tensor, res: torch.Tensor | None,
-                   positions: torch.Tensor, start: int,
-                   end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_layers(
+        self,
+        plan: LayerPlan,
+        h: torch.Tensor,
+        res: torch.Tensor | None,
+        positions: torch.Tensor,
+        start: int,
+        end: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plan's sub-layers of layers ``start .. end-1`` on ``(pending, residual)``."""
         for i in range(start, end):
             layer = self.layout.layers[i]
@@ -63,8 +72,9 @@ class PlanExecutor:
                 h = layer.mlp(h)
         return h, res
 
-    def run_mixed(self, plans: list[LayerPlan], input_ids: torch.Tensor,
-                  positions: torch.Tensor, context) -> list[torch.Tensor]:
+    def run_mixed(
+        self, plans: list[LayerPlan], input_ids: torch.Tensor, positions: torch.Tensor, context
+    ) -> list[torch.Tensor]:
         """One draft step of B rows with different plans, in one pass: each sub-layer runs once,
         on the rows whose plan includes it (attention under ``context(rows)``, the forward
         context of those rows' attention metadata); a row leaves at its plan's exit through its
@@ -91,8 +101,7 @@ class PlanExecutor:
             else:
                 for rows, is_attn in ((attn, True), (mlp, False)):
                     if rows:
-                        h, res = self._sublayer(layer, is_attn, rows, h, res, positions,
-                                                context)
+                        h, res = self._sublayer(layer, is_attn, rows, h, res, positions, context)
             for plan in dict.fromkeys(p for p in plans if p.exit_layer == i + 1):
                 rows = [r for r, p in enumerate(plans) if p == plan]
                 idx = torch.tensor(rows, device=h.device)
@@ -116,9 +125,14 @@ class PlanExecutor:
         h[idx], res[idx] = x, r
         return h, res
 
-    def run_cascade(self, plan: LayerPlan, exits, input_ids: torch.Tensor,
-                    positions: torch.Tensor, max_exit: torch.Tensor
-                    ) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    def run_cascade(
+        self,
+        plan: LayerPlan,
+        exits,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        max_exit: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, int]:
         """One Cascade draft step for B rows: ``(logits [B, V'] or None when no row exits,
         exit index per row or -1, layers run)``. Row b walks ``exits[0 .. max_exit[b]]``
         shallowest first and takes the first exit whose confidence clears its threshold; all rows

@@ -26,6 +26,7 @@ written) and the LM heads; about a second on the CPU, cached per model/device/dt
 vocabulary under
 ``$VLLM_SELFSPEC_HOME/latency/``; rank 0's under TP.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,16 +67,19 @@ class KnapsackForward:
         if positions.numel() != r or int(positions[-1]) != first + r - 1:
             raise ValueError("knapsack rows must sit at consecutive positions")
         md, pos = self._metadata(B, first, r, x.device)
-        with self.p._set_forward_context(md, self.p.vllm_config, num_tokens=B * r,
-                                         slot_mapping={}):  # no layer: no KV write
+        with self.p._set_forward_context(
+            md, self.p.vllm_config, num_tokens=B * r, slot_mapping={}
+        ):  # no layer: no KV write
             h = layer.self_attn(positions=pos, hidden_states=layer.input_layernorm(x))
         return (x + h).view(B, r, d)
 
     def _metadata(self, B: int, first: int, r: int, dev):
         key = (B, first, r)
         if key not in self._md:
-            self._md[key] = (read_only_metadata(self.p, self.row, B, first, r),
-                             torch.arange(first, first + r, device=dev).repeat(B))
+            self._md[key] = (
+                read_only_metadata(self.p, self.row, B, first, r),
+                torch.arange(first, first + r, device=dev).repeat(B),
+            )
         return self._md[key]
 
     def predict(self, states: torch.Tensor) -> torch.Tensor:
@@ -97,11 +101,19 @@ def read_only_metadata(proposer, row: torch.Tensor, B: int, first: int, r: int) 
     seq = torch.full((B,), first + r, dtype=torch.int32)
     pos = torch.arange(first, first + r, device=dev).repeat(B)
     cm = proposer._CommonAttentionMetadata(
-        query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev),
-        seq_lens_cpu_upper_bound=seq, num_reqs=B, num_actual_tokens=B * r, max_query_len=r,
-        max_seq_len=first + r, block_table_tensor=row.unsqueeze(0).expand(B, -1).contiguous(),
+        query_start_loc=qsl.to(dev),
+        query_start_loc_cpu=qsl,
+        seq_lens=seq.to(dev),
+        seq_lens_cpu_upper_bound=seq,
+        num_reqs=B,
+        num_actual_tokens=B * r,
+        max_query_len=r,
+        max_seq_len=first + r,
+        block_table_tensor=row.unsqueeze(0).expand(B, -1).contiguous(),
         slot_mapping=torch.full((B * r,), -1, dtype=torch.int64, device=dev),  # PAD_SLOT_ID
-        causal=True, positions=pos)
+        causal=True,
+        positions=pos,
+    )
     md = {}
     for group in proposer._draft_attn_groups():
         group_md = group.build_metadata_for_drafting(cm, draft_index=0)
@@ -117,8 +129,9 @@ def _device_name(device: torch.device) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
     return f"cpu {cpu} x{torch.get_num_threads()} threads"
@@ -129,9 +142,16 @@ def _cache_path(proposer, device: torch.device) -> Path:
 
     mc = proposer.vllm_config.model_config
     vocab = proposer.executor.vocab_ids
-    key = json.dumps([os.path.realpath(str(mc.model)), _device_name(device), str(mc.dtype),
-                      proposer._tp, compat.vllm_version(),
-                      None if vocab is None else int(vocab.numel())])
+    key = json.dumps(
+        [
+            os.path.realpath(str(mc.model)),
+            _device_name(device),
+            str(mc.dtype),
+            proposer._tp,
+            compat.vllm_version(),
+            None if vocab is None else int(vocab.numel()),
+        ]
+    )
     return home() / "latency" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -168,8 +188,9 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
         pos = torch.tensor([n - 1], device=device)
 
         def run_attn():
-            with proposer._set_forward_context(md, proposer.vllm_config, num_tokens=1,
-                                               slot_mapping={}):
+            with proposer._set_forward_context(
+                md, proposer.vllm_config, num_tokens=1, slot_mapping={}
+            ):
                 for layer in layers:
                     layer.self_attn(positions=pos, hidden_states=layer.input_layernorm(x))
 
@@ -182,8 +203,11 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
     t_mlp = _median_seconds(run_mlp, sync) / len(layers)
     t_target_head = _median_seconds(lambda: lay.compute_logits(lay.norm(x)), sync)
     ex = proposer.executor
-    t_head = t_target_head if ex.vocab_ids is None else _median_seconds(
-        lambda: ex.project(lay.norm(x)), sync)
+    t_head = (
+        t_target_head
+        if ex.vocab_ids is None
+        else _median_seconds(lambda: ex.project(lay.norm(x)), sync)
+    )
     return LatencyModel.fit(attn, t_mlp, t_head, t_target_head)
 
 
@@ -208,9 +232,16 @@ def latency_model(proposer) -> LatencyModel:
     if compat.tp_rank() == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**d, "device": _device_name(device),
-                                        "seconds_to_measure": time.perf_counter() - t0}),
-                            encoding="utf-8")
+            path.write_text(
+                json.dumps(
+                    {
+                        **d,
+                        "device": _device_name(device),
+                        "seconds_to_measure": time.perf_counter() - t0,
+                    }
+                ),
+                encoding="utf-8",
+            )
         except OSError as e:
             logger.warning("knapspec: cannot cache the latency model in %s: %s", path, e)
     return LatencyModel.from_dict(d)

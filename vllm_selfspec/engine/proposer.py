@@ -12,6 +12,7 @@ vLLM's rejection sampler accepted a prefix):
    greedy requests draft the argmax, sampled ones draw from ``softmax(logits / T)`` and hand that
    distribution to vLLM's rejection sampler, which keeps the target distribution.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,15 +25,20 @@ import torch
 
 from .. import compat
 from ..config import SelfSpecConfig
-from ..goodput import (AcceptanceTracker, Candidate, GoodputController, SearchBudget,
-                       StepCostModel, prefer_free)
+from ..goodput import (
+    AcceptanceTracker,
+    Candidate,
+    GoodputController,
+    SearchBudget,
+    StepCostModel,
+    prefer_free,
+)
 from ..lookup import ContextIndex, SharedIndex
 from ..policies import DraftDecision, Feedback
 from .adadecode import DeferredEngine
 from .executor import PlanExecutor
 from .shadow import ShadowProjector
 from .stats import EngineStats, layer_computations
-
 
 #: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
 UNVERIFIED_REQUESTS_KEPT = 4096
@@ -53,8 +59,7 @@ class PendingDraftProbs:
         row, drafts = key
         q = self.rows[row]
         if q is None:
-            q = torch.zeros(drafts.stop, self.vocab_size, dtype=torch.float32,
-                            device=self.device)
+            q = torch.zeros(drafts.stop, self.vocab_size, dtype=torch.float32, device=self.device)
         return q[drafts]
 
 
@@ -98,13 +103,18 @@ class SelfSpecProposer:
         if opts is None:
             raise RuntimeError(
                 "SelfSpecProposer needs the selfspec plugin's config: pass a selfspec "
-                "speculative_config such as {\"method\": \"layerskip\", ...}, not custom_class")
+                'speculative_config such as {"method": "layerskip", ...}, not custom_class'
+            )
         self.vllm_config = vllm_config
         self.config = SelfSpecConfig.load(opts)
         self.info = compat.model_info(vllm_config)
         if self.config.draft_vocab_size is not None:  # the draft reads N of V LM-head rows
-            self.info = dataclasses.replace(self.info, draft_head_layers=(
-                self.info.lm_head_layers * self.config.draft_vocab_size / self.info.vocab_size))
+            self.info = dataclasses.replace(
+                self.info,
+                draft_head_layers=(
+                    self.info.lm_head_layers * self.config.draft_vocab_size / self.info.vocab_size
+                ),
+            )
         self.policy = self.config.make_policy(self.info)
         #: Cascade's lossy sampler: drafts are accepted unverified (worker.UnverifiedAcceptance)
         self.lossy = bool(getattr(self.policy, "lossy", False))
@@ -135,8 +145,11 @@ class SelfSpecProposer:
         self._indexes: dict[str, ContextIndex] = {}
         self._prompt_lens: dict[str, int] = {}
         #: the outputs of finished requests (identical on every TP rank: same requests, order)
-        self.shared_index = (SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
-                             if self.lookup.get("shared") else None)
+        self.shared_index = (
+            SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
+            if self.lookup.get("shared")
+            else None
+        )
         # slots: match lengths 1..max_n in the request's context, max_n + 1..2 max_n shared
         self.lookup_acceptance = AcceptanceTracker(2 * self.lookup.get("max_ngram", 0) + 1)
         self._lookup_rates: dict[str, Any] = {}
@@ -162,15 +175,19 @@ class SelfSpecProposer:
     def propose(self, *args, **kwargs):  # vLLM's custom_class API; our runner hook replaces it
         raise RuntimeError(
             f"the selfspec drafter was called without its runner hooks: the worker class must "
-            f"be {compat.WORKER_CLS} (the plugin sets it; do not override worker_cls)")
+            f"be {compat.WORKER_CLS} (the plugin sets it; do not override worker_cls)"
+        )
 
     def bind_runner(self, runner) -> None:
         self.runner = runner
 
     def load_model(self, target_model) -> None:  # called by the runner's load_model
         self.executor = PlanExecutor(target_model)
-        self.shadow = ShadowProjector(self.executor, self.info.vocab_size,
-                                      self.vllm_config.parallel_config.tensor_parallel_size)
+        self.shadow = ShadowProjector(
+            self.executor,
+            self.info.vocab_size,
+            self.vllm_config.parallel_config.tensor_parallel_size,
+        )
         self.shadow_heads = [self.policy.head_for_layer(layer) for layer in self.capture_layers]
         heads_path = getattr(self.policy, "heads_path", None)
         if heads_path:
@@ -189,9 +206,13 @@ class SelfSpecProposer:
             return None
         lay, info = self.executor.layout, self.info
         return identity_from_tensors(
-            architecture=info.architecture, num_layers=info.num_layers,
-            hidden_size=info.hidden_size, vocab_size=info.vocab_size,
-            embed_weight=lay.embed_weight, norm_weight=lay.norm.weight)
+            architecture=info.architecture,
+            num_layers=info.num_layers,
+            hidden_size=info.hidden_size,
+            vocab_size=info.vocab_size,
+            embed_weight=lay.embed_weight,
+            norm_weight=lay.norm.weight,
+        )
 
     def _load_draft_vocab(self, path: str, size: int) -> None:
         from ..vocab import load_vocab
@@ -206,11 +227,11 @@ class SelfSpecProposer:
         heads = load_heads(path, expect=self._identity())
         param = self.executor.layout.norm.weight
         for layer, head in heads.items():
-            self.executor.heads[f"heads@{layer}"] = head.to(device=param.device,
-                                                            dtype=param.dtype)
+            self.executor.heads[f"heads@{layer}"] = head.to(device=param.device, dtype=param.dtype)
         if self.executor.num_layers != self.info.num_layers:
-            raise RuntimeError(f"model has {self.executor.num_layers} layers, config says "
-                               f"{self.info.num_layers}")
+            raise RuntimeError(
+                f"model has {self.executor.num_layers} layers, config says {self.info.num_layers}"
+            )
 
     def on_request_finished(self, req_id: str) -> None:
         self.states.pop(req_id, None)
@@ -231,7 +252,7 @@ class SelfSpecProposer:
         if self.shared_index is not None:
             self.shared_index = SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
 
-    def take_draft_probs(self) -> tuple["PendingDraftProbs | None", list[str] | None]:
+    def take_draft_probs(self) -> tuple[PendingDraftProbs | None, list[str] | None]:
         """What vLLM's runner reads at the next verification (``_draft_probs[row, :n]`` by
         ``_draft_prob_req_ids``): every pending request's q, or None when all are greedy."""
         if all(q is None for q in self._pending_q.values()):
@@ -241,9 +262,16 @@ class SelfSpecProposer:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose_selfspec(self, runner, scheduler_output, sampled_token_ids: list[list[int]],
-                         sampling_metadata, aux_hidden_states, spec_decode_metadata,
-                         common_attn_metadata) -> list[list[int]]:
+    def propose_selfspec(
+        self,
+        runner,
+        scheduler_output,
+        sampled_token_ids: list[list[int]],
+        sampling_metadata,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+    ) -> list[list[int]]:
         ib = runner.input_batch
         req_ids = ib.req_ids
         num_tokens = ib.num_tokens_no_spec
@@ -281,10 +309,14 @@ class SelfSpecProposer:
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None and feedback_due:
             with st.timer("shadow"):
-                rows = [i for i, _, state in entries
-                        if not self.policy.shadow or self.policy.wants_shadow(state)]
-                captured = self._capture(ib, rows, sampled_token_ids, scheduled,
-                                         aux_hidden_states, common_attn_metadata)
+                rows = [
+                    i
+                    for i, _, state in entries
+                    if not self.policy.shadow or self.policy.wants_shadow(state)
+                ]
+                captured = self._capture(
+                    ib, rows, sampled_token_ids, scheduled, aux_hidden_states, common_attn_metadata
+                )
 
         active: list[tuple[int, DraftDecision, int]] = []
         due: list[tuple[int, Any]] = []  # (batch row, state) whose plan search is due
@@ -296,8 +328,9 @@ class SelfSpecProposer:
                 n_accepted = len(sampled) - 1 if n_drafted else 0
                 matches = self._lookup_round.pop(req_id, None)
                 if matches is not None:  # lookup drafts: measured per match length
-                    self.lookup_acceptance.observe(self._lookup_rates[req_id], n_drafted,
-                                                   n_accepted, matches)
+                    self.lookup_acceptance.observe(
+                        self._lookup_rates[req_id], n_drafted, n_accepted, matches
+                    )
                     st.lookup_drafted += n_drafted
                     st.lookup_accepted += n_accepted
                 else:
@@ -311,22 +344,22 @@ class SelfSpecProposer:
                 if self.lossy:
                     st.unverified_tokens += n_accepted
                     st.unverified_by_request[req_id] = (
-                        st.unverified_by_request.pop(req_id, 0) + n_accepted)
+                        st.unverified_by_request.pop(req_id, 0) + n_accepted
+                    )
                     while len(st.unverified_by_request) > UNVERIFIED_REQUESTS_KEPT:
                         del st.unverified_by_request[next(iter(st.unverified_by_request))]
                 round_steps = self._round_exits.pop(req_id, None)  # Cascade: (cap, exit)
                 if round_steps and n_drafted:
-                    st.exit_accepted.update(self.policy.cascade[e].layer
-                                            for _, e in round_steps[:n_accepted])
-                if self.deferred is not None:  # AdaDecode: the heads that predicted early
                     st.exit_accepted.update(
-                        self.deferred.round_exits.pop(req_id, [])[:n_accepted])
+                        self.policy.cascade[e].layer for _, e in round_steps[:n_accepted]
+                    )
+                if self.deferred is not None:  # AdaDecode: the heads that predicted early
+                    st.exit_accepted.update(self.deferred.round_exits.pop(req_id, [])[:n_accepted])
                     if req_id in self.deferred.decoding:
                         st.decode_tokens += len(sampled)
                 n = int(num_tokens[i])
                 # the policy hears of its own drafts only (a lookup round is a plain step to it)
-                fb = (Feedback(n_drafted, n_accepted, n) if matches is None
-                      else Feedback(0, 0, n))
+                fb = Feedback(n_drafted, n_accepted, n) if matches is None else Feedback(0, 0, n)
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
                 if round_steps and n_drafted:
@@ -338,8 +371,9 @@ class SelfSpecProposer:
             # what the last choice achieved: this step's tokens over its target forward plus
             # the previous step's selfspec time (its draft steps)
             # (a step with a prefill chunk tells nothing about decoding: seconds 0 skips it)
-            self.controller.settle(emitted, len(entries),
-                                   target_seconds + self._last_seconds if decode_step else 0.0)
+            self.controller.settle(
+                emitted, len(entries), target_seconds + self._last_seconds if decode_step else 0.0
+            )
         if self.search_budget is not None:
             self.search_budget.tick(target_seconds + self._last_seconds)
             due = due[:1]  # one search a step at most, within the budget
@@ -372,7 +406,8 @@ class SelfSpecProposer:
                     drafts[i], matches = lookups[i][0][:g], lookups[i][1][:g]
                     self._lookup_round[ib.req_ids[i]] = matches
                     self._pending_q[ib.req_ids[i]] = self._point_masses(
-                        sampling_metadata, i, drafts[i])
+                        sampling_metadata, i, drafts[i]
+                    )
                     st.draft_length_hist[g] += 1
                 active[j] = (i, decision, 0)
                 self.policy.capped(self.states[ib.req_ids[i]], 0)
@@ -404,11 +439,12 @@ class SelfSpecProposer:
         """The request's lookup draft (tokens, match lengths), its index brought up to date."""
         index = self._indexes.get(req_id)
         if index is None:
-            index = self._indexes[req_id] = ContextIndex(self.lookup["max_ngram"],
-                                                         self.lookup["min_ngram"])
+            index = self._indexes[req_id] = ContextIndex(
+                self.lookup["max_ngram"], self.lookup["min_ngram"]
+            )
             self._prompt_lens[req_id] = int(ib.num_prompt_tokens[i])
         if len(index) < n:
-            index.extend(ib.token_ids_cpu[i, len(index):n].tolist())
+            index.extend(ib.token_ids_cpu[i, len(index) : n].tolist())
         return index.propose(room, self.shared_index)
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
@@ -426,8 +462,13 @@ class SelfSpecProposer:
             cand = Candidate(g, self.acceptance.cumulative(self._rates[req_ids[i]], g), row, plan)
             tokens, slots = lookups.get(i, ((), ()))
             if tokens:
-                free = Candidate(len(tokens), self.lookup_acceptance.cumulative(
-                    self._lookup_rates[req_ids[i]], len(tokens), slots), free=True)
+                free = Candidate(
+                    len(tokens),
+                    self.lookup_acceptance.cumulative(
+                        self._lookup_rates[req_ids[i]], len(tokens), slots
+                    ),
+                    free=True,
+                )
                 if prefer_free(free, cand, v1):
                     cand = free
             cands.append(cand)
@@ -440,8 +481,9 @@ class SelfSpecProposer:
         if self._tp > 1:  # each rank timed its own steps: draft what rank 0 chose
             tokens, probe = compat.broadcast_from_tp_rank0((tokens, probe))
         st = self.stats
-        st.controller_cut_tokens += sum(c.max_tokens - min(c.max_tokens, t)
-                                        for c, t in zip(cands, tokens))
+        st.controller_cut_tokens += sum(
+            c.max_tokens - min(c.max_tokens, t) for c, t in zip(cands, tokens)
+        )
         st.controller_probes += int(probe)
         if not any(t and not c.free for c, t in zip(cands, tokens)):
             st.controller_plain_steps += 1
@@ -452,8 +494,9 @@ class SelfSpecProposer:
         probability 1 (greedy requests: None)."""
         if sampling_metadata.all_greedy or float(sampling_metadata.temperature[i]) <= 0:
             return None
-        q = torch.zeros(len(tokens), self.info.vocab_size, dtype=torch.float32,
-                        device=self.runner.device)
+        q = torch.zeros(
+            len(tokens), self.info.vocab_size, dtype=torch.float32, device=self.runner.device
+        )
         q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return q
 
@@ -493,11 +536,11 @@ class SelfSpecProposer:
         out = {}
         for i, off, m in spans:
             n = int(ib.num_tokens_no_spec[i])  # includes this step's sampled tokens
-            targets = torch.from_numpy(ib.token_ids_cpu[i, n - m:n].astype(np.int64))
+            targets = torch.from_numpy(ib.token_ids_cpu[i, n - m : n].astype(np.int64))
             if tokens is None:
-                out[i] = (hidden[:, off:off + m], targets, None, None)
+                out[i] = (hidden[:, off : off + m], targets, None, None)
             else:
-                out[i] = (None, targets, tokens[:, off:off + m], probs[:, off:off + m])
+                out[i] = (None, targets, tokens[:, off : off + m], probs[:, off : off + m])
         return out
 
     # ---- drafting --------------------------------------------------------------------------------
@@ -506,16 +549,18 @@ class SelfSpecProposer:
         greedy = sampling_metadata.all_greedy
         probs = None
         if not greedy:
-            probs = torch.zeros(len(active), self.k, self.info.vocab_size, dtype=torch.float32,
-                                device=runner.device)
+            probs = torch.zeros(
+                len(active), self.k, self.info.vocab_size, dtype=torch.float32, device=runner.device
+            )
         if self.deferred is not None:
             self.deferred.draft(runner, active, sampling_metadata, probs, drafts)
         else:
             self._draft_plan(runner, active, sampling_metadata, probs, drafts)
         for j, (i, _, _) in enumerate(active):
             if drafts[i]:
-                self._pending_q[ib.req_ids[i]] = (None if probs is None
-                                                   else probs[j, :len(drafts[i])])
+                self._pending_q[ib.req_ids[i]] = (
+                    None if probs is None else probs[j, : len(drafts[i])]
+                )
 
     def _draft_plan(self, runner, items, sampling_metadata, probs, drafts) -> None:
         """Draft rounds of ``items`` (batch row, decision, length): one forward per draft step
@@ -536,8 +581,11 @@ class SelfSpecProposer:
         plans = [d.plan for _, d, _ in items]
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
         cascade = items[0][1].cascade  # Cascade's decisions share it (one static plan)
-        walks = (CascadeWalks(self.policy, [self.states[ib.req_ids[r]] for r in rows])
-                 if cascade is not None else None)
+        walks = (
+            CascadeWalks(self.policy, [self.states[ib.req_ids[r]] for r in rows])
+            if cascade is not None
+            else None
+        )
         alive = list(range(len(rows)))
         for step in range(max(gammas)):
             alive = [j for j in alive if gammas[j] > step]
@@ -550,27 +598,37 @@ class SelfSpecProposer:
             step_plans = [plans[j] for j in alive]
             t0 = time.perf_counter()
             if cascade is None and len(set(step_plans)) > 1:
-                logits = self._run_mixed(step_plans, block_table[rows_t[J].to(dev)],
-                                         tok[J].to(dev), pos, bt.block_size, step)
+                logits = self._run_mixed(
+                    step_plans,
+                    block_table[rows_t[J].to(dev)],
+                    tok[J].to(dev),
+                    pos,
+                    bt.block_size,
+                    step,
+                )
                 depth = max(p.layer_cost for p in step_plans)
             else:
                 plan = step_plans[0]
-                md, slot_map = self._attn_metadata(block_table[rows_t[J].to(dev)], pos,
-                                                   bt.block_size, step)
-                with self._set_forward_context(md, self.vllm_config, num_tokens=len(alive),
-                                               slot_mapping=slot_map):
+                md, slot_map = self._attn_metadata(
+                    block_table[rows_t[J].to(dev)], pos, bt.block_size, step
+                )
+                with self._set_forward_context(
+                    md, self.vllm_config, num_tokens=len(alive), slot_mapping=slot_map
+                ):
                     if cascade is None:
                         h, res = self.executor.run(plan, tok[J].to(dev), pos)
                         depth = plan.layer_cost
                     else:
                         logits, chosen, depth = self.executor.run_cascade(
-                            plan, cascade, tok[J].to(dev), pos, torch.tensor(caps))
+                            plan, cascade, tok[J].to(dev), pos, torch.tensor(caps)
+                        )
                 if cascade is None:
                     logits = self.executor.logits(plan, h, res)
             self.costs.add_draft(depth, len(alive), time.perf_counter() - t0)
             self.stats.draft_forwards += 1
-            self.stats.draft_layers += (depth * len(alive) if cascade is not None
-                                        else sum(p.layer_cost for p in step_plans))
+            self.stats.draft_layers += (
+                depth * len(alive) if cascade is not None else sum(p.layer_cost for p in step_plans)
+            )
             if walks is not None:
                 chosen = chosen.tolist()
                 walks.record(alive, caps, chosen, self.stats)
@@ -587,7 +645,8 @@ class SelfSpecProposer:
                     nxt = torch.where(sampled_rows, draw.to(nxt.device), nxt)
                     if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
                         q = q.new_zeros(len(alive), self.info.vocab_size).index_copy_(
-                            1, vocab_ids, q)
+                            1, vocab_ids, q
+                        )
                     probs[J.to(probs.device), step] = q.to(probs.dtype)
             if vocab_ids is not None:
                 nxt = vocab_ids[nxt]
@@ -605,9 +664,10 @@ class SelfSpecProposer:
                 alive = [j for a, j in enumerate(alive) if keep[a]]
             tok[J] = nxt.cpu()
         if walks is not None:
-            self._round_exits.update((ib.req_ids[rows[j]], steps)
-                                     for j, steps in enumerate(walks.steps) if steps)
-        for j, (r, plan) in enumerate(zip(rows, plans)):
+            self._round_exits.update(
+                (ib.req_ids[rows[j]], steps) for j, steps in enumerate(walks.steps) if steps
+            )
+        for r, plan in zip(rows, plans):
             d = len(drafts[r])
             self.stats.draft_length_hist[d] += 1
             if d:
@@ -627,22 +687,31 @@ class SelfSpecProposer:
                 idx = torch.tensor(rows, device=pos.device)
                 built[key] = self._attn_metadata(block_table[idx], pos[idx], block_size, step)
             md, slot_map = built[key]
-            return self._set_forward_context(md, self.vllm_config, num_tokens=len(rows),
-                                             slot_mapping=slot_map)
+            return self._set_forward_context(
+                md, self.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
+            )
 
         return torch.stack(self.executor.run_mixed(plans, tokens, pos, context))
 
-    def _attn_metadata(self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int,
-                       step: int):
+    def _attn_metadata(
+        self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int, step: int
+    ):
         """Attention metadata (one query per request at ``pos``) for every attention layer."""
         blk = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
         slot = blk.to(torch.int64) * block_size + pos % block_size
-        return self.rows_metadata(block_table, [1] * pos.shape[0], pos.cpu() + 1, slot, pos,
-                                  draft_index=step)
+        return self.rows_metadata(
+            block_table, [1] * pos.shape[0], pos.cpu() + 1, slot, pos, draft_index=step
+        )
 
-    def rows_metadata(self, block_table: torch.Tensor, q_lens: list[int],
-                      seq_lens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                      draft_index: int = 0):
+    def rows_metadata(
+        self,
+        block_table: torch.Tensor,
+        q_lens: list[int],
+        seq_lens: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        draft_index: int = 0,
+    ):
         """Attention metadata for rows grouped by request (``q_lens`` consecutive rows each, the
         last at position ``seq_lens - 1``), for every attention layer, and its slot-mapping
         dict."""
@@ -651,11 +720,19 @@ class SelfSpecProposer:
         qsl_cpu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
         seq_cpu = seq_lens.to(torch.int32).cpu()
         cm = self._CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(dev), query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(dev), seq_lens_cpu_upper_bound=seq_cpu,
-            num_reqs=len(q_lens), num_actual_tokens=int(qsl_cpu[-1]), max_query_len=max(q_lens),
-            max_seq_len=int(seq_cpu.max()), block_table_tensor=block_table,
-            slot_mapping=slots, causal=True, positions=positions)
+            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_cpu.to(dev),
+            seq_lens_cpu_upper_bound=seq_cpu,
+            num_reqs=len(q_lens),
+            num_actual_tokens=int(qsl_cpu[-1]),
+            max_query_len=max(q_lens),
+            max_seq_len=int(seq_cpu.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slots,
+            causal=True,
+            positions=positions,
+        )
         md: dict[str, Any] = {}
         for group in self._draft_attn_groups():
             group_md = group.build_metadata_for_drafting(cm, draft_index=draft_index)
@@ -674,16 +751,22 @@ class SelfSpecProposer:
                 sub = [n for n in g.layer_names if n in names]
                 if not sub:
                     continue
-                ng = AttentionGroup(backend=g.backend, layer_names=sub,
-                                    kv_cache_spec=g.kv_cache_spec, kv_cache_group_id=0)
-                ng.create_metadata_builders(self.vllm_config, self.runner.device,
-                                            kernel_block_size=g.kernel_block_size)
+                ng = AttentionGroup(
+                    backend=g.backend,
+                    layer_names=sub,
+                    kv_cache_spec=g.kv_cache_spec,
+                    kv_cache_group_id=0,
+                )
+                ng.create_metadata_builders(
+                    self.vllm_config, self.runner.device, kernel_block_size=g.kernel_block_size
+                )
                 groups.append(ng)
             covered = sum(len(g.layer_names) for g in groups)
             if covered != len(names):
                 raise RuntimeError(
                     "selfspec needs every attention layer in KV-cache group 0 (hybrid or "
-                    "sliding-window KV-cache groups are not supported yet)")
+                    "sliding-window KV-cache groups are not supported yet)"
+                )
             self._attn_groups = groups
         return self._attn_groups
 
@@ -693,8 +776,10 @@ class SelfSpecProposer:
         target, draft = self.costs.target_line(), self.costs.draft_coefficients()
         # measured: target forward = v0 + v1 * scheduled tokens; a draft step =
         # d0 + d1 * layers + d2 * layers * rows (seconds)
-        d["costs"] = {"target_forward_s": None if target is None else list(target),
-                      "draft_step_s": None if draft is None else draft.tolist()}
+        d["costs"] = {
+            "target_forward_s": None if target is None else list(target),
+            "draft_step_s": None if draft is None else draft.tolist(),
+        }
         if self.controller is not None:  # per kind of draft: what it achieved, its calibration
             d["controller"] = self.controller.state()
         d["draft_vocab_size"] = self.config.draft_vocab_size

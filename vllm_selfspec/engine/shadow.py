@@ -8,6 +8,7 @@ ranks, take vLLM's own final norm + ``compute_logits`` path (which all-gathers t
 With a reduced draft vocabulary (``draft_vocab_size``) shadow tokens read the same N tokens the
 draft does, so the statistics describe the draft that will actually run.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,11 +32,17 @@ class ShadowProjector:
         ex = self.executor
         lay = ex.layout
         if self.fused and all(h == LM_HEAD for h in heads):
-            weight = (ex.vocab_weight if ex.vocab_ids is not None
-                      else lay.model.lm_head.weight[: self.vocab_size])
-            ids, prob, _ = lm_head_argmax(hidden.reshape(n * rows, d), weight,
-                                          norm_weight=lay.norm.weight,
-                                          eps=lay.norm.variance_epsilon)
+            weight = (
+                ex.vocab_weight
+                if ex.vocab_ids is not None
+                else lay.model.lm_head.weight[: self.vocab_size]
+            )
+            ids, prob, _ = lm_head_argmax(
+                hidden.reshape(n * rows, d),
+                weight,
+                norm_weight=lay.norm.weight,
+                eps=lay.norm.variance_epsilon,
+            )
             tokens, probs = ids.view(n, rows), prob.view(n, rows).float()
         else:
             tokens, probs = [], []

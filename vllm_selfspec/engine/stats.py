@@ -4,6 +4,7 @@ optimise / controller).
 "shadow" is the hidden-state capture of verified tokens (and, for methods that project it, the
 shadow-token work); "optimise" is a searching policy's plan search on the model (KnapSpec's DP);
 "verify" is the rest of the runner step: the target forward and sampling."""
+
 from __future__ import annotations
 
 import time
@@ -84,7 +85,8 @@ class EngineStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens
-            if self.drafted_tokens else None,
+            if self.drafted_tokens
+            else None,
             "draft_rounds": self.draft_rounds,
             "draft_layers": self.draft_layers,
             "draft_forwards": self.draft_forwards,
@@ -101,27 +103,45 @@ class EngineStats:
             "lookup_accepted_tokens": self.lookup_accepted,
             # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
             # the target (one per request and verification)
-            "token_sources": {"lookup": self.lookup_accepted,
-                              "self_draft": self.accepted_tokens - self.lookup_accepted,
-                              "target": self.generated_tokens - self.accepted_tokens},
+            "token_sources": {
+                "lookup": self.lookup_accepted,
+                "self_draft": self.accepted_tokens - self.lookup_accepted,
+                "target": self.generated_tokens - self.accepted_tokens,
+            },
             # per draft round: sub-layers the plan skipped (layers past an early exit included)
             "skipped_attn_per_round": self.skipped_attn / self.draft_rounds
-            if self.draft_rounds else None,
+            if self.draft_rounds
+            else None,
             "skipped_mlp_per_round": self.skipped_mlp / self.draft_rounds
-            if self.draft_rounds else None,
+            if self.draft_rounds
+            else None,
             "draft_length_hist": dict(sorted(self.draft_length_hist.items())),
             "plan_hist": dict(self.plan_hist.most_common()),
             **plan_histograms(self.plans),
-            **({"cascade_exits": {
-                str(k): {"drafted": n, "accepted": self.exit_accepted[k],
-                         "acceptance": self.exit_accepted[k] / n if n and k != "none" else None}
-                for k, n in sorted(self.exit_drafted.items(), key=_exit_order)}}
-               if self.exit_drafted else {}),
+            **(
+                {
+                    "cascade_exits": {
+                        str(k): {
+                            "drafted": n,
+                            "accepted": self.exit_accepted[k],
+                            "acceptance": self.exit_accepted[k] / n if n and k != "none" else None,
+                        }
+                        for k, n in sorted(self.exit_drafted.items(), key=_exit_order)
+                    }
+                }
+                if self.exit_drafted
+                else {}
+            ),
             # seconds inside the runner: verify = the target step minus the selfspec parts
-            "time_s": {"draft": s["draft"], "policy": s["policy"], "shadow": s["shadow"],
-                       "optimise": s["optimise"], "controller": s["controller"],
-                       "verify": max(0.0, s["step"] - other),
-                       "total": s["step"]},
+            "time_s": {
+                "draft": s["draft"],
+                "policy": s["policy"],
+                "shadow": s["shadow"],
+                "optimise": s["optimise"],
+                "controller": s["controller"],
+                "verify": max(0.0, s["step"] - other),
+                "total": s["step"],
+            },
         }
 
 
@@ -132,14 +152,19 @@ def layer_computations(st: EngineStats, num_layers: int) -> dict[str, Any]:
     n = st.decode_tokens or 1
     ours = st.draft_token_layers + st.verify_token_layers
     draft_then_verify = st.draft_token_layers + st.verify_rows * num_layers
-    return {"rounds_resumed": st.rounds_resumed, "rounds_dropped": st.rounds_dropped,
-            "tokens": st.decode_tokens, "draft": st.draft_token_layers,
-            "verify": st.verify_token_layers, "verified_rows": st.verify_rows,
-            "per_token": ours / n, "vanilla_per_token": float(num_layers),
-            "draft_then_verify_per_token": draft_then_verify / n,
-            "saved_vs_vanilla": 1 - ours / (n * num_layers) if st.decode_tokens else None,
-            "saved_vs_draft_then_verify": 1 - ours / draft_then_verify
-            if draft_then_verify else None}
+    return {
+        "rounds_resumed": st.rounds_resumed,
+        "rounds_dropped": st.rounds_dropped,
+        "tokens": st.decode_tokens,
+        "draft": st.draft_token_layers,
+        "verify": st.verify_token_layers,
+        "verified_rows": st.verify_rows,
+        "per_token": ours / n,
+        "vanilla_per_token": float(num_layers),
+        "draft_then_verify_per_token": draft_then_verify / n,
+        "saved_vs_vanilla": 1 - ours / (n * num_layers) if st.decode_tokens else None,
+        "saved_vs_draft_then_verify": 1 - ours / draft_then_verify if draft_then_verify else None,
+    }
 
 
 def _exit_order(item) -> tuple[int, int]:
@@ -163,5 +188,7 @@ def plan_histograms(plans: Counter) -> dict[str, Any]:
             for layer, runs in enumerate(flags):
                 if not runs:
                     skipped[kind][layer] += rounds
-    return {"exit_layer_hist": dict(sorted(exits.items())),
-            "skipped_sublayer_hist": {k: dict(sorted(c.items())) for k, c in skipped.items()}}
+    return {
+        "exit_layer_hist": dict(sorted(exits.items())),
+        "skipped_sublayer_hist": {k: dict(sorted(c.items())) for k, c in skipped.items()},
+    }

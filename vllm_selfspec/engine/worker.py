@@ -6,6 +6,7 @@ its runner, the runner instance's class is swapped for a subclass with ``SelfSpe
 no second runner is constructed and the overrides apply to ``load_model`` and everything after.
 Hooks live on the runner, not on the worker, because Ray's compiled DAG calls the runner directly.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,24 +24,52 @@ class SelfSpecRunnerMixin:
         drafter = getattr(self, "drafter", None)
         return drafter if isinstance(drafter, SelfSpecProposer) else None
 
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                hidden_states, sample_hidden_states, aux_hidden_states,
-                                spec_decode_metadata, common_attn_metadata, slot_mappings):
+    def propose_draft_token_ids(
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
         drafter = self._selfspec()
         if drafter is None:
             return super().propose_draft_token_ids(
-                scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                sample_hidden_states, aux_hidden_states, spec_decode_metadata,
-                common_attn_metadata, slot_mappings)
+                scheduler_output,
+                sampled_token_ids,
+                sampling_metadata,
+                hidden_states,
+                sample_hidden_states,
+                aux_hidden_states,
+                spec_decode_metadata,
+                common_attn_metadata,
+                slot_mappings,
+            )
         drafts = drafter.propose_selfspec(
-            self, scheduler_output, sampled_token_ids, sampling_metadata, aux_hidden_states,
-            spec_decode_metadata, common_attn_metadata)
+            self,
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+        )
         # q of sampled drafts, read back by _get_spec_decode_draft_probs at the next verification
         self._draft_probs, self._draft_prob_req_ids = drafter.take_draft_probs()
         return drafts
 
-    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
-                       inputs_embeds=None, **model_kwargs):
+    def _model_forward(
+        self,
+        input_ids=None,
+        positions=None,
+        intermediate_tensors=None,
+        inputs_embeds=None,
+        **model_kwargs,
+    ):
         drafter = self._selfspec()
         deferred = drafter.deferred if drafter is not None else None
         if deferred is not None and inputs_embeds is None and not model_kwargs:
@@ -49,14 +78,21 @@ class SelfSpecRunnerMixin:
             if out is not None:
                 return out
             deferred.count_plain(self)
-        return super()._model_forward(input_ids=input_ids, positions=positions,
-                                      intermediate_tensors=intermediate_tensors,
-                                      inputs_embeds=inputs_embeds, **model_kwargs)
+        return super()._model_forward(
+            input_ids=input_ids,
+            positions=positions,
+            intermediate_tensors=intermediate_tensors,
+            inputs_embeds=inputs_embeds,
+            **model_kwargs,
+        )
 
     # ---- a step with no drafts costs what a vanilla step costs ---------------------------------
     def _sample(self, logits, spec_decode_metadata):
-        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
-                and self._selfspec() is not None):
+        if (
+            spec_decode_metadata is not None
+            and spec_decode_metadata.max_spec_len == 0
+            and self._selfspec() is not None
+        ):
             # no request verifies drafts this step: vLLM's plain sampler, exactly as vanilla
             # (the rejection sampler would copy the logits twice for nothing)
             spec_decode_metadata = None
@@ -64,8 +100,7 @@ class SelfSpecRunnerMixin:
 
     def take_draft_token_ids(self):
         drafts = getattr(self, "_draft_token_ids", None)
-        if (self._selfspec() is not None and isinstance(drafts, list)
-                and not any(drafts)):
+        if self._selfspec() is not None and isinstance(drafts, list) and not any(drafts):
             # no request drafted: nothing to tell the scheduler (it clears a request's draft
             # tokens when it schedules them), so no per-request payload crosses processes
             return None
@@ -139,8 +174,9 @@ class SelfSpecWorker(_BaseWorker):
     def init_device(self):
         super().init_device()
         if getattr(self, "use_v2_model_runner", False):
-            raise RuntimeError("vllm-selfspec needs vLLM's V1 model runner "
-                               "(unset VLLM_USE_V2_MODEL_RUNNER)")
+            raise RuntimeError(
+                "vllm-selfspec needs vLLM's V1 model runner (unset VLLM_USE_V2_MODEL_RUNNER)"
+            )
         runner = self.model_runner
         swap_runner_class(runner)
         drafter = getattr(runner, "drafter", None)

@@ -10,15 +10,34 @@ Engine use::
     logits = lm_head(final_norm(heads[layer].transform(x)))   # x: pre-norm residual stream
     # cascade: heads[layer].confidence(x) >= heads[layer].threshold -> exit here
 """
+
 from .embedded import EMBEDDED_LAYERS, embedded_heads_dir, ensure_embedded_heads
-from .identity import (HeadsMismatchError, ModelIdentity, identity_from_hf,
-                       identity_from_tensors, weights_fingerprint)
+from .identity import (
+    HeadsMismatchError,
+    ModelIdentity,
+    identity_from_hf,
+    identity_from_tensors,
+    weights_fingerprint,
+)
 from .io import HeadSet, HeadsFormatError, load_heads, save_heads
 from .modules import AdaDecodeHead, CascadeHead, Readout, make_head, reference_logits
 
 __all__ = [
-    "EMBEDDED_LAYERS", "embedded_heads_dir", "ensure_embedded_heads", "HeadsMismatchError",
-    "ModelIdentity", "identity_from_hf", "identity_from_tensors", "weights_fingerprint",
-    "HeadSet", "HeadsFormatError", "load_heads", "save_heads", "AdaDecodeHead", "CascadeHead",
-    "Readout", "make_head", "reference_logits",
+    "EMBEDDED_LAYERS",
+    "embedded_heads_dir",
+    "ensure_embedded_heads",
+    "HeadsMismatchError",
+    "ModelIdentity",
+    "identity_from_hf",
+    "identity_from_tensors",
+    "weights_fingerprint",
+    "HeadSet",
+    "HeadsFormatError",
+    "load_heads",
+    "save_heads",
+    "AdaDecodeHead",
+    "CascadeHead",
+    "Readout",
+    "make_head",
+    "reference_logits",
 ]

@@ -16,6 +16,7 @@ no drafter ever exits at), up to the last generated token (exclusive) or EOS.
 Prompts are split by a hash of their text: ``train`` (heads), ``fit`` (confidence estimators),
 ``val`` (thresholds, held-out metrics) and ``test`` (never touched by training; eval-heads).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,7 @@ import torch
 #: temperatures whose log-normaliser is stored (1: AdaDecode KL and CE; 2: Cascade distillation)
 TEMPERATURES = (1.0, 2.0)
 #: digest % 10 -> split
-SPLIT_BUCKETS = {"train": range(0, 6), "fit": range(6, 7), "val": range(7, 8),
-                 "test": range(8, 10)}
+SPLIT_BUCKETS = {"train": range(0, 6), "fit": range(6, 7), "val": range(7, 8), "test": range(8, 10)}
 TRAINING_SPLITS = ("train", "fit", "val")
 #: prompt sources besides a JSONL file path
 SOURCES = ("humaneval", "chat", "pydoc")
@@ -69,15 +69,22 @@ def pydoc_prompts(tokenizer) -> list[Prompt]:
     for key in sorted(topics):
         text = topics[key].strip()
         for i in range(PYDOC_CHUNKS_PER_TOPIC):
-            chunk = text[i * PYDOC_CHUNK_CHARS:(i + 1) * PYDOC_CHUNK_CHARS]
+            chunk = text[i * PYDOC_CHUNK_CHARS : (i + 1) * PYDOC_CHUNK_CHARS]
             if len(chunk) >= 200:
                 out.append(Prompt(chunk, "pydoc-text"))
         if getattr(tokenizer, "chat_template", None):
             title = text.splitlines()[0].strip() or key
             msg = f"Explain {title} in Python, with a short example."
-            out.append(Prompt(tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True),
-                "pydoc-chat"))
+            out.append(
+                Prompt(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": msg}],
+                        tokenize=False,
+                        add_generation_prompt=True,
+                    ),
+                    "pydoc-chat",
+                )
+            )
     return out
 
 
@@ -94,8 +101,10 @@ def load_corpus(sources: str, tokenizer, tokenizer_path: str) -> list[Prompt]:
         if src == "pydoc":
             prompts += pydoc_prompts(tokenizer)
         else:
-            prompts += [Prompt(t, src if src in SOURCES else Path(src).name)
-                        for t in load_prompts(src, None, tokenizer_path)]
+            prompts += [
+                Prompt(t, src if src in SOURCES else Path(src).name)
+                for t in load_prompts(src, None, tokenizer_path)
+            ]
     if not prompts:
         raise ValueError(f"no prompts in sources {sources!r}")
     return list({p.text: p for p in prompts}.values())
@@ -119,38 +128,51 @@ class TokenData:
     def layers(self) -> list[int]:
         return sorted(self.hidden)
 
-    def select(self, idx: torch.Tensor) -> "TokenData":
-        return TokenData({l: h[idx] for l, h in self.hidden.items()}, self.topk_ids[idx],
-                         self.topk_logits[idx], self.lse[idx], self.generated[idx],
-                         self.prompt[idx])
+    def select(self, idx: torch.Tensor) -> TokenData:
+        return TokenData(
+            {l: h[idx] for l, h in self.hidden.items()},
+            self.topk_ids[idx],
+            self.topk_logits[idx],
+            self.lse[idx],
+            self.generated[idx],
+            self.prompt[idx],
+        )
 
     @staticmethod
-    def cat(parts: list["TokenData"]) -> "TokenData":
+    def cat(parts: list[TokenData]) -> TokenData:
         if not parts:
             raise ValueError("no data to concatenate")
-        return TokenData({l: torch.cat([p.hidden[l] for p in parts]) for l in parts[0].hidden},
-                         *(torch.cat([getattr(p, f) for p in parts])
-                           for f in ("topk_ids", "topk_logits", "lse", "generated", "prompt")))
+        return TokenData(
+            {l: torch.cat([p.hidden[l] for p in parts]) for l in parts[0].hidden},
+            *(
+                torch.cat([getattr(p, f) for p in parts])
+                for f in ("topk_ids", "topk_logits", "lse", "generated", "prompt")
+            ),
+        )
 
     def save(self, path: Path, seconds: float = 0.0) -> None:
         """One safetensors file; ``seconds`` (capture time) goes into its metadata."""
         from safetensors.torch import save_file
 
         tensors = {f"hidden.{l}": h.contiguous() for l, h in self.hidden.items()}
-        tensors.update(topk_ids=self.topk_ids, topk_logits=self.topk_logits, lse=self.lse,
-                       generated=self.generated, prompt=self.prompt)
+        tensors.update(
+            topk_ids=self.topk_ids,
+            topk_logits=self.topk_logits,
+            lse=self.lse,
+            generated=self.generated,
+            prompt=self.prompt,
+        )
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"seconds": f"{seconds:.3f}"})
         os.replace(tmp, path)  # atomic: a shard is either complete or absent
 
     @classmethod
-    def load(cls, path: Path) -> "TokenData":
+    def load(cls, path: Path) -> TokenData:
         from safetensors.torch import load_file
 
         t = load_file(str(path))
         hidden = {int(k.split(".")[1]): v for k, v in t.items() if k.startswith("hidden.")}
-        return cls(hidden, t["topk_ids"], t["topk_logits"], t["lse"], t["generated"],
-                   t["prompt"])
+        return cls(hidden, t["topk_ids"], t["topk_logits"], t["lse"], t["generated"], t["prompt"])
 
 
 def _final_stats(logits: torch.Tensor, top_k: int):
@@ -161,8 +183,15 @@ def _final_stats(logits: torch.Tensor, top_k: int):
 
 
 @torch.no_grad()
-def capture(model, prompts: list[list[int]], layers: list[int], max_new_tokens: int,
-            top_k: int, eos_ids: set[int], prompt_index: list[int] | None = None) -> TokenData:
+def capture(
+    model,
+    prompts: list[list[int]],
+    layers: list[int],
+    max_new_tokens: int,
+    top_k: int,
+    eos_ids: set[int],
+    prompt_index: list[int] | None = None,
+) -> TokenData:
     """Greedy-generate from a batch of token-id prompts (left-padded, KV-cached) and return
     every kept position's exit-layer streams and final distribution (see module doc)."""
     from transformers import DynamicCache
@@ -174,8 +203,8 @@ def capture(model, prompts: list[list[int]], layers: list[int], max_new_tokens: 
     ids = torch.full((B, P), pad, dtype=torch.long)
     mask = torch.zeros((B, P), dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p)
-        mask[b, P - len(p):] = 1
+        ids[b, P - len(p) :] = torch.tensor(p)
+        mask[b, P - len(p) :] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     lm_head = model.get_output_embeddings()
     cache = DynamicCache(config=model.config)
@@ -184,8 +213,14 @@ def capture(model, prompts: list[list[int]], layers: list[int], max_new_tokens: 
     vals, tids, lses, keep, gen = [], [], [], [], []
     alive = torch.ones(B, dtype=torch.bool)
     for step in range(max_new_tokens):
-        out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = model.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         final = out.last_hidden_state  # [B, t, d] after the final norm
         if step == 0:  # prompt positions: real tokens except each row's first
             k = mask.bool() & (pos > 0)
@@ -195,8 +230,10 @@ def capture(model, prompts: list[list[int]], layers: list[int], max_new_tokens: 
             k = alive[:, None].clone()
             g = k.clone()
         kept = final[k]
-        v, i, s = _final_stats(torch.cat([lm_head(kept[j:j + 1024])
-                                          for j in range(0, max(len(kept), 1), 1024)]), top_k)
+        v, i, s = _final_stats(
+            torch.cat([lm_head(kept[j : j + 1024]) for j in range(0, max(len(kept), 1), 1024)]),
+            top_k,
+        )
         for l in layers:
             hidden[l].append(out.hidden_states[l][k])
         vals.append(v)
@@ -218,9 +255,14 @@ def capture(model, prompts: list[list[int]], layers: list[int], max_new_tokens: 
     index = torch.tensor(prompt_index if prompt_index is not None else range(B))
     # order by (row, time): stable sort keeps the time order inside a row
     order = torch.sort(rows, stable=True).indices
-    return TokenData({l: torch.cat(h)[order] for l, h in hidden.items()},
-                     torch.cat(tids)[order], torch.cat(vals)[order], torch.cat(lses)[order],
-                     torch.cat(gen)[order], index[rows][order])
+    return TokenData(
+        {l: torch.cat(h)[order] for l, h in hidden.items()},
+        torch.cat(tids)[order],
+        torch.cat(vals)[order],
+        torch.cat(lses)[order],
+        torch.cat(gen)[order],
+        index[rows][order],
+    )
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -230,8 +272,9 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {e for e in [tokenizer.eos_token_id, *gen] if e is not None}
 
 
-def plan_batches(lengths: list[int], batch_tokens: int, max_batch: int,
-                 max_new_tokens: int) -> list[list[int]]:
+def plan_batches(
+    lengths: list[int], batch_tokens: int, max_batch: int, max_new_tokens: int
+) -> list[list[int]]:
     """Group prompt indices by length (less padding) into batches of at most ``max_batch``
     prompts and ``batch_tokens`` (prompt + generated) tokens. Deterministic."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -270,8 +313,9 @@ def tokenize(tokenizer, texts: list[str], max_prompt_tokens: int) -> list[list[i
     return [tokenizer(t).input_ids[-max_prompt_tokens:] for t in texts]
 
 
-def choose_prompts(prompts: list[Prompt], split: str, max_prompts: int | None,
-                   seed: int) -> list[Prompt]:
+def choose_prompts(
+    prompts: list[Prompt], split: str, max_prompts: int | None, seed: int
+) -> list[Prompt]:
     """The prompts of one split, seeded-shuffled and capped (so a cap mixes every source).
     ``max_prompts`` counts the three training splits together; each gets its bucket share."""
     mine = [p for p in prompts if p.split == split]
@@ -280,12 +324,20 @@ def choose_prompts(prompts: list[Prompt], split: str, max_prompts: int | None,
     if max_prompts is None:
         return mine
     share = len(SPLIT_BUCKETS[split]) / sum(len(SPLIT_BUCKETS[s]) for s in TRAINING_SPLITS)
-    return mine[:max(1, round(max_prompts * share))]
+    return mine[: max(1, round(max_prompts * share))]
 
 
-def collect(model, tokenizer, prompts: list[Prompt], splits: tuple[str, ...], spec: CollectSpec,
-            data_dir: Path, batch_tokens: int = 8192, max_batch: int = 32,
-            progress: bool = True) -> dict[str, TokenData]:
+def collect(
+    model,
+    tokenizer,
+    prompts: list[Prompt],
+    splits: tuple[str, ...],
+    spec: CollectSpec,
+    data_dir: Path,
+    batch_tokens: int = 8192,
+    max_batch: int = 32,
+    progress: bool = True,
+) -> dict[str, TokenData]:
     """Capture the data of ``splits`` into ``data_dir`` (one safetensors shard per batch) and
     return it. Resumable: finished shards are kept and skipped on the next call."""
     from tqdm import tqdm
@@ -297,24 +349,35 @@ def collect(model, tokenizer, prompts: list[Prompt], splits: tuple[str, ...], sp
     for split in splits:
         chosen = choose_prompts(prompts, split, spec.max_prompts, spec.seed)
         if not chosen:
-            raise ValueError(f"no prompt of the {len(prompts)} given falls into the {split!r} "
-                             f"split (about 1 in 10 prompts does); use more prompts")
-        (data_dir / f"{split}-prompts.json").write_text(json.dumps(
-            [{"digest": digest(p.text), "source": p.source} for p in chosen], indent=0))
+            raise ValueError(
+                f"no prompt of the {len(prompts)} given falls into the {split!r} "
+                f"split (about 1 in 10 prompts does); use more prompts"
+            )
+        (data_dir / f"{split}-prompts.json").write_text(
+            json.dumps([{"digest": digest(p.text), "source": p.source} for p in chosen], indent=0)
+        )
         ids = tokenize(tokenizer, [p.text for p in chosen], spec.max_prompt_tokens)
-        for n, batch in enumerate(plan_batches([len(i) for i in ids], batch_tokens, max_batch,
-                                               spec.max_new_tokens)):
-            jobs.append((data_dir / f"{split}-{n:05d}.safetensors", [ids[i] for i in batch],
-                         batch))
+        for n, batch in enumerate(
+            plan_batches([len(i) for i in ids], batch_tokens, max_batch, spec.max_new_tokens)
+        ):
+            jobs.append((data_dir / f"{split}-{n:05d}.safetensors", [ids[i] for i in batch], batch))
     todo = [j for j in jobs if not j[0].is_file()]
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="collect", unit="batch",
-               disable=not progress)
+    bar = tqdm(
+        total=len(jobs),
+        initial=len(jobs) - len(todo),
+        desc="collect",
+        unit="batch",
+        disable=not progress,
+    )
     for path, batch_ids, index in todo:
         t0 = time.perf_counter()
-        part = capture(model, batch_ids, list(spec.layers), spec.max_new_tokens, spec.top_k,
-                       eos, index)
+        part = capture(
+            model, batch_ids, list(spec.layers), spec.max_new_tokens, spec.top_k, eos, index
+        )
         part.save(path, seconds=time.perf_counter() - t0)
         bar.update()
     bar.close()
-    return {s: TokenData.cat([TokenData.load(p) for p, _, _ in jobs if p.name.startswith(s + "-")])
-            for s in splits}
+    return {
+        s: TokenData.cat([TokenData.load(p) for p, _, _ in jobs if p.name.startswith(s + "-")])
+        for s in splits
+    }

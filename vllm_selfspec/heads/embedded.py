@@ -8,6 +8,7 @@ trained head rarely agrees with the final layer (CascadeExit reports 41% at 29% 
 a draft already costs > 80% of a full step, and a 4-layer spacing gives adaptive policies (DEL,
 Cascade) a real choice while training cost stays linear in the number of exits.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -1,5 +1,6 @@
 """Exit-head quality: top-1 agreement with the final layer, and the confidence estimator's
 precision/recall at its threshold. Every number here uses the exact float32 read-out."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,18 +19,19 @@ def top1(readout: Readout, x: torch.Tensor, head: nn.Module | None = None) -> to
     """Greedy token of ``lm_head(final_norm(head.transform(x)))`` (``head=None``: raw LM head)."""
     out = []
     for i in range(0, x.shape[0], CHUNK):
-        h = x[i:i + CHUNK]
+        h = x[i : i + CHUNK]
         out.append(readout.logits(head.transform(h) if head is not None else h).argmax(-1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 @torch.no_grad()
 def confidence(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([head.confidence(x[i:i + CHUNK]) for i in range(0, x.shape[0], CHUNK)])
+    return torch.cat([head.confidence(x[i : i + CHUNK]) for i in range(0, x.shape[0], CHUNK)])
 
 
-def precision_recall(exit_: torch.Tensor,
-                     correct: torch.Tensor) -> tuple[float | None, float | None]:
+def precision_recall(
+    exit_: torch.Tensor, correct: torch.Tensor
+) -> tuple[float | None, float | None]:
     """Precision = P(correct | exit); recall = P(exit | correct). None when undefined."""
     tp = int((exit_ & correct).sum())
     n_exit, n_correct = int(exit_.sum()), int(correct.sum())
@@ -52,12 +54,17 @@ def select_threshold(scores: torch.Tensor, labels: torch.Tensor) -> dict[str, fl
     last_of_tie = torch.ones(len(s), dtype=torch.bool)
     last_of_tie[:-1] = s[:-1] != s[1:]
     best = int(torch.where(last_of_tie, f1, torch.full_like(f1, -1.0)).argmax())
-    return {"threshold": float(s[best]), "f1": float(f1[best]),
-            "precision": float(tp[best] / k[best]), "recall": float(tp[best] / n_pos)}
+    return {
+        "threshold": float(s[best]),
+        "f1": float(f1[best]),
+        "precision": float(tp[best] / k[best]),
+        "recall": float(tp[best] / n_pos),
+    }
 
 
-def agreement(heads: dict[int, nn.Module], readout: Readout, data: TokenData,
-              generated_only: bool = True) -> dict[str, dict[str, Any]]:
+def agreement(
+    heads: dict[int, nn.Module], readout: Readout, data: TokenData, generated_only: bool = True
+) -> dict[str, dict[str, Any]]:
     """Per exit layer: ``raw_top1`` (raw LM head on the layer's stream) and ``head_top1``
     (through the head) agreement with the final top-1; for heads with a confidence estimator
     also its ``precision``/``recall`` at ``head.threshold`` and the ``exit_rate`` (else None).
@@ -72,7 +79,11 @@ def agreement(heads: dict[int, nn.Module], readout: Readout, data: TokenData,
         row: dict[str, Any] = {
             "raw_top1": float((top1(readout, x) == final).float().mean()) if len(x) else None,
             "head_top1": float(correct.float().mean()) if len(x) else None,
-            "precision": None, "recall": None, "exit_rate": None, "tokens": len(x)}
+            "precision": None,
+            "recall": None,
+            "exit_rate": None,
+            "tokens": len(x),
+        }
         if hasattr(head, "confidence"):
             exit_ = confidence(head, x) >= head.threshold
             row["precision"], row["recall"] = precision_recall(exit_, correct)
@@ -81,9 +92,15 @@ def agreement(heads: dict[int, nn.Module], readout: Readout, data: TokenData,
     return table
 
 
-def evaluate_heads(heads_dir: str, prompts: str, model: str | None = None,
-                   num_prompts: int | None = None, max_new_tokens: int = 96,
-                   max_prompt_tokens: int = 384, progress: bool = True) -> dict[str, Any]:
+def evaluate_heads(
+    heads_dir: str,
+    prompts: str,
+    model: str | None = None,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 96,
+    max_prompt_tokens: int = 384,
+    progress: bool = True,
+) -> dict[str, Any]:
     """``eval-heads``: greedy-generate with the base model on ``prompts`` (same sources as
     training), skipping every prompt training used, and return ``{"layers": agreement(...),
     ...}`` on the generated positions. ``model`` defaults to the path recorded at training
@@ -117,15 +134,27 @@ def evaluate_heads(heads_dir: str, prompts: str, model: str | None = None,
     ids = tokenize(tok, [p.text for p in held_out], max_prompt_tokens)
     eos = eos_ids(lm, tok)
     parts = []
-    for batch in tqdm(plan_batches([len(i) for i in ids], 8192, 32, max_new_tokens),
-                      desc="eval-heads", unit="batch", disable=not progress):
-        parts.append(capture(lm, [ids[i] for i in batch], heads.layers, max_new_tokens, 1, eos,
-                             batch))
+    for batch in tqdm(
+        plan_batches([len(i) for i in ids], 8192, 32, max_new_tokens),
+        desc="eval-heads",
+        unit="batch",
+        disable=not progress,
+    ):
+        parts.append(
+            capture(lm, [ids[i] for i in batch], heads.layers, max_new_tokens, 1, eos, batch)
+        )
     data = TokenData.cat(parts)
     table = agreement(dict(heads.items()), Readout(lm), data)
-    return {"heads": str(heads_dir), "kind": heads.kind, "model": model_path,
-            "prompts": prompts, "num_prompts": len(held_out),
-            "skipped_training_prompts": len(corpus) - len(fresh),
-            "positions": "generated", "tokens": int(data.generated.sum()),
-            "max_new_tokens": max_new_tokens, "seconds": round(time.perf_counter() - t0, 1),
-            "layers": table}
+    return {
+        "heads": str(heads_dir),
+        "kind": heads.kind,
+        "model": model_path,
+        "prompts": prompts,
+        "num_prompts": len(held_out),
+        "skipped_training_prompts": len(corpus) - len(fresh),
+        "positions": "generated",
+        "tokens": int(data.generated.sum()),
+        "max_new_tokens": max_new_tokens,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "layers": table,
+    }

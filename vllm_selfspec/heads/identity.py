@@ -13,6 +13,7 @@ The fingerprint hashes a few deterministic slices of weights every engine has ch
 Values are rounded to bfloat16 before hashing, so a float32 checkpoint matches itself loaded as
 float32 or bfloat16 (float16-loaded weights are rounded twice and may not match).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,31 +41,42 @@ class ModelIdentity:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelIdentity":
-        return cls(architecture=str(d["architecture"]), num_layers=int(d["num_layers"]),
-                   hidden_size=int(d["hidden_size"]), vocab_size=int(d["vocab_size"]),
-                   fingerprint=str(d["fingerprint"]))
+    def from_dict(cls, d: dict) -> ModelIdentity:
+        return cls(
+            architecture=str(d["architecture"]),
+            num_layers=int(d["num_layers"]),
+            hidden_size=int(d["hidden_size"]),
+            vocab_size=int(d["vocab_size"]),
+            fingerprint=str(d["fingerprint"]),
+        )
 
-    def check(self, expect: "ModelIdentity", what: str = "heads") -> None:
+    def check(self, expect: ModelIdentity, what: str = "heads") -> None:
         """Raise ``HeadsMismatchError`` naming every field where ``self`` (what the heads were
         trained for) differs from ``expect`` (the model at hand)."""
-        diffs = [f"{k}: trained for {v!r}, model has {getattr(expect, k)!r}"
-                 for k, v in asdict(self).items() if v != getattr(expect, k)]
+        diffs = [
+            f"{k}: trained for {v!r}, model has {getattr(expect, k)!r}"
+            for k, v in asdict(self).items()
+            if v != getattr(expect, k)
+        ]
         if diffs:
-            raise HeadsMismatchError(f"{what} belong to a different base model ("
-                                     + "; ".join(diffs) + ")")
+            raise HeadsMismatchError(
+                f"{what} belong to a different base model (" + "; ".join(diffs) + ")"
+            )
 
 
-def weights_fingerprint(embed_weight: torch.Tensor, norm_weight: torch.Tensor,
-                        vocab_size: int | None = None) -> str:
+def weights_fingerprint(
+    embed_weight: torch.Tensor, norm_weight: torch.Tensor, vocab_size: int | None = None
+) -> str:
     """sha256 (first 16 hex digits) of bf16-rounded embedding slices + the final-norm weight.
 
     ``embed_weight`` may be a vocab shard as long as it starts at row 0 (TP rank 0); a vocabulary
     (``vocab_size``) smaller than ``FINGERPRINT_ROWS`` is hashed whole."""
     rows = min(FINGERPRINT_ROWS, vocab_size or FINGERPRINT_ROWS)
     if embed_weight.dim() != 2 or embed_weight.shape[0] < rows:
-        raise ValueError(f"embedding weight needs >= {rows} rows [vocab, hidden], "
-                         f"got shape {tuple(embed_weight.shape)}")
+        raise ValueError(
+            f"embedding weight needs >= {rows} rows [vocab, hidden], "
+            f"got shape {tuple(embed_weight.shape)}"
+        )
     h = hashlib.sha256()
     for t in (embed_weight[:rows, ::FINGERPRINT_COL_STRIDE], norm_weight.reshape(-1)):
         # through float32 first: bf16 from fp32 is the same round-to-nearest vLLM's loader does
@@ -74,14 +86,24 @@ def weights_fingerprint(embed_weight: torch.Tensor, norm_weight: torch.Tensor,
     return h.hexdigest()[:16]
 
 
-def identity_from_tensors(*, architecture: str, num_layers: int, hidden_size: int,
-                          vocab_size: int, embed_weight: torch.Tensor,
-                          norm_weight: torch.Tensor) -> ModelIdentity:
+def identity_from_tensors(
+    *,
+    architecture: str,
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    embed_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> ModelIdentity:
     """The identity from raw tensors, e.g. a vLLM model's ``model.embed_tokens.weight`` (rank 0)
     and ``model.norm.weight`` with its HF config's architecture / sizes."""
-    return ModelIdentity(architecture=architecture, num_layers=int(num_layers),
-                         hidden_size=int(hidden_size), vocab_size=int(vocab_size),
-                         fingerprint=weights_fingerprint(embed_weight, norm_weight, vocab_size))
+    return ModelIdentity(
+        architecture=architecture,
+        num_layers=int(num_layers),
+        hidden_size=int(hidden_size),
+        vocab_size=int(vocab_size),
+        fingerprint=weights_fingerprint(embed_weight, norm_weight, vocab_size),
+    )
 
 
 def identity_from_hf(model) -> ModelIdentity:
@@ -89,6 +111,10 @@ def identity_from_hf(model) -> ModelIdentity:
     cfg = model.config
     arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
     return identity_from_tensors(
-        architecture=arch, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        vocab_size=cfg.vocab_size, embed_weight=model.get_input_embeddings().weight,
-        norm_weight=model.model.norm.weight)
+        architecture=arch,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        embed_weight=model.get_input_embeddings().weight,
+        norm_weight=model.model.norm.weight,
+    )

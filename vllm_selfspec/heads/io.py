@@ -1,18 +1,19 @@
 """On-disk format of a head set (documented in docs/heads.md) and its loader.
 
-    DIR/config.json         format, kind, layers, base-model identity, head sizes,
-                            thresholds (cascade), training metadata
-    DIR/heads.safetensors   "<layer>.<parameter>" float32 tensors, e.g. "8.T", "8.gate.weight"
-    DIR/train_prompts.json  digests of every prompt training touched (eval-heads skips them)
+DIR/config.json         format, kind, layers, base-model identity, head sizes,
+                        thresholds (cascade), training metadata
+DIR/heads.safetensors   "<layer>.<parameter>" float32 tensors, e.g. "8.T", "8.gate.weight"
+DIR/train_prompts.json  digests of every prompt training touched (eval-heads skips them)
 """
+
 from __future__ import annotations
 
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,8 +37,13 @@ class HeadSet(Mapping):
     plus the kind, the base model's identity and the full config (``config["training"]`` holds
     the training metadata)."""
 
-    def __init__(self, kind: str, heads: dict[int, nn.Module], identity: ModelIdentity,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        heads: dict[int, nn.Module],
+        identity: ModelIdentity,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown head kind {kind!r}; expected one of {KINDS}")
         self.kind = kind
@@ -68,7 +74,7 @@ class HeadSet(Mapping):
             return None
         return {l: float(h.threshold) for l, h in self.heads.items()}
 
-    def to(self, *args, **kwargs) -> "HeadSet":
+    def to(self, *args, **kwargs) -> HeadSet:
         """Move/cast every head in place (e.g. ``.to("cuda", torch.bfloat16)``); returns self."""
         for h in self.heads.values():
             h.to(*args, **kwargs)
@@ -80,13 +86,20 @@ def head_config(kind: str, hidden_size: int, bottleneck: int | None) -> dict[str
     if kind == "adadecode":
         return {"transform": "x @ T", "T_shape": [hidden_size, hidden_size]}
     b = bottleneck or min(512, hidden_size)
-    return {"transform": "x + up(silu(gate(x)) * down(x))", "bottleneck": b,
-            "confidence": "sigmoid(mlp((rmsnorm(x) - feature_mean) / feature_std))",
-            "estimator_hidden": 256}
+    return {
+        "transform": "x + up(silu(gate(x)) * down(x))",
+        "bottleneck": b,
+        "confidence": "sigmoid(mlp((rmsnorm(x) - feature_mean) / feature_std))",
+        "estimator_hidden": 256,
+    }
 
 
-def save_heads(out: str | Path, heads: HeadSet, training: dict[str, Any] | None = None,
-               train_prompt_digests: list[str] | None = None) -> Path:
+def save_heads(
+    out: str | Path,
+    heads: HeadSet,
+    training: dict[str, Any] | None = None,
+    train_prompt_digests: list[str] | None = None,
+) -> Path:
     """Write ``heads`` to ``out`` atomically (a temp dir renamed over ``out``); return ``out``."""
     from safetensors.torch import save_file
 
@@ -94,22 +107,33 @@ def save_heads(out: str | Path, heads: HeadSet, training: dict[str, Any] | None 
     first = next(iter(heads.values()))
     bottleneck = first.up.weight.shape[1] if heads.kind == "cascade" else None
     config = {
-        "format": FORMAT, "version": VERSION, "kind": heads.kind, "layers": heads.layers,
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": heads.kind,
+        "layers": heads.layers,
         "base_model": heads.identity.to_dict(),
         "head": head_config(heads.kind, heads.identity.hidden_size, bottleneck),
-        "thresholds": ({str(l): t for l, t in heads.thresholds.items()}
-                       if heads.kind == "cascade" else None),
+        "thresholds": (
+            {str(l): t for l, t in heads.thresholds.items()} if heads.kind == "cascade" else None
+        ),
         "training": training if training is not None else heads.metadata,
     }
-    tensors = {f"{l}.{k}": v.detach().to("cpu", torch.float32).contiguous()
-               for l, h in heads.items() for k, v in h.state_dict().items()}
+    tensors = {
+        f"{l}.{k}": v.detach().to("cpu", torch.float32).contiguous()
+        for l, h in heads.items()
+        for k, v in h.state_dict().items()
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / PROMPTS_FILE).write_text(json.dumps(
-            {"digest": "sha256(prompt text)[:16]", "prompts": train_prompt_digests or []}) + "\n")
+        (tmp / PROMPTS_FILE).write_text(
+            json.dumps(
+                {"digest": "sha256(prompt text)[:16]", "prompts": train_prompt_digests or []}
+            )
+            + "\n"
+        )
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -126,8 +150,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise HeadsFormatError(f"{path} is not a head directory: no {CONFIG_FILE}")
     config = json.loads(f.read_text())
     if config.get("format") != FORMAT or config.get("version") != VERSION:
-        raise HeadsFormatError(f"{f}: expected format {FORMAT!r} version {VERSION}, got "
-                               f"{config.get('format')!r} version {config.get('version')!r}")
+        raise HeadsFormatError(
+            f"{f}: expected format {FORMAT!r} version {VERSION}, got "
+            f"{config.get('format')!r} version {config.get('version')!r}"
+        )
     return config
 
 
@@ -152,18 +178,22 @@ def load_heads(path: str | Path, *, expect: ModelIdentity | None) -> HeadSet:
         raise HeadsFormatError(f"{path}: unknown kind {kind!r}; expected one of {KINDS}")
     bad = [l for l in layers if not 0 < l < identity.num_layers]
     if bad or not layers:
-        raise HeadsFormatError(f"{path}: exit layers must be in [1, {identity.num_layers - 1}],"
-                               f" got {layers}")
+        raise HeadsFormatError(
+            f"{path}: exit layers must be in [1, {identity.num_layers - 1}], got {layers}"
+        )
     tensors = load_file(str(path / WEIGHTS_FILE))
     heads: dict[int, nn.Module] = {}
     for l in layers:
         head = make_head(kind, identity.hidden_size, config["head"].get("bottleneck"))
-        state = {k[len(f"{l}."):]: v for k, v in tensors.items() if k.startswith(f"{l}.")}
+        state = {k[len(f"{l}.") :]: v for k, v in tensors.items() if k.startswith(f"{l}.")}
         want = head.state_dict()
         problems = [f"missing {k}" for k in want if k not in state]
         problems += [f"unexpected {k}" for k in state if k not in want]
-        problems += [f"{k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}"
-                     for k, v in want.items() if k in state and state[k].shape != v.shape]
+        problems += [
+            f"{k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}"
+            for k, v in want.items()
+            if k in state and state[k].shape != v.shape
+        ]
         if problems:
             raise HeadsFormatError(f"{path / WEIGHTS_FILE}: layer {l}: " + "; ".join(problems))
         head.load_state_dict(state)
@@ -172,6 +202,7 @@ def load_heads(path: str | Path, *, expect: ModelIdentity | None) -> HeadSet:
         heads[l] = head.eval().requires_grad_(False)
     extra = sorted({k.split(".")[0] for k in tensors} - {str(l) for l in layers})
     if extra:
-        raise HeadsFormatError(f"{path / WEIGHTS_FILE} has tensors for layers {extra} that "
-                               f"config.json does not list")
+        raise HeadsFormatError(
+            f"{path / WEIGHTS_FILE} has tensors for layers {extra} that config.json does not list"
+        )
     return HeadSet(kind, heads, identity, config)

@@ -1,4 +1,5 @@
 """Distillation losses against the stored top-k form of the final distribution (see ``data``)."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,13 @@ import torch.nn.functional as F
 from .data import TEMPERATURES
 
 
-def kl_topk(head_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logits: torch.Tensor,
-            final_lse: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def kl_topk(
+    head_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logits: torch.Tensor,
+    final_lse: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Per-row KL(final_T ‖ head_T) over the final top-k tokens plus one "tail" bucket.
 
     ``final_lse`` is logsumexp(final_logits / T) over the full vocabulary, so the final top-k
@@ -32,8 +38,9 @@ def adadecode_loss(head_logits, topk_ids, topk_logits, lse) -> torch.Tensor:
     return kl_topk(head_logits, topk_ids, topk_logits, lse[:, TEMPERATURES.index(1.0)]).mean()
 
 
-def cascade_loss(head_logits, topk_ids, topk_logits, lse, alpha: float = 0.5,
-                 temperature: float = 2.0) -> torch.Tensor:
+def cascade_loss(
+    head_logits, topk_ids, topk_logits, lse, alpha: float = 0.5, temperature: float = 2.0
+) -> torch.Tensor:
     """CascadeExit §3.2: α·CE(head, y) + (1−α)·T²·KL(final_T ‖ head_T), batch mean.
 
     The label ``y`` is the final top-1: in self-distillation the model's own greedy token is the
@@ -43,4 +50,4 @@ def cascade_loss(head_logits, topk_ids, topk_logits, lse, alpha: float = 0.5,
     ce = F.cross_entropy(head_logits, topk_ids[:, 0])
     lse_t = lse[:, TEMPERATURES.index(temperature)]
     kl = kl_topk(head_logits, topk_ids, topk_logits, lse_t, temperature).mean()
-    return alpha * ce + (1.0 - alpha) * temperature ** 2 * kl
+    return alpha * ce + (1.0 - alpha) * temperature**2 * kl

@@ -9,6 +9,7 @@ works); heads therefore never hold norm or LM-head weights. Cascade heads add
 The PyTorch reference forward (training, evaluation) is ``Readout(model).logits(head.transform(x))``
 = ``lm_head(final_norm(head.transform(x)))`` on the HF model's frozen modules.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,9 @@ class CascadeHead(nn.Module):
         self.down = nn.Linear(hidden_size, bottleneck, bias=False)
         self.up = nn.Linear(bottleneck, hidden_size, bias=False)
         nn.init.zeros_(self.up.weight)
-        self.estimator = nn.Sequential(nn.Linear(hidden_size, estimator_hidden), nn.SiLU(),
-                                       nn.Linear(estimator_hidden, 1))
+        self.estimator = nn.Sequential(
+            nn.Linear(hidden_size, estimator_hidden), nn.SiLU(), nn.Linear(estimator_hidden, 1)
+        )
         self.register_buffer("feature_mean", torch.zeros(hidden_size))
         self.register_buffer("feature_std", torch.ones(hidden_size))
         self.threshold: float = 0.5

@@ -13,6 +13,7 @@ Deterministic for a seed (batches are a pure function of (seed, step)); resumabl
 and a training checkpoint every ``checkpoint_every`` steps survive an interruption, and a
 re-run continues where it stopped with the same result.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,10 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,7 +87,7 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> torch.Tensor
     per_epoch = max(1, n // batch_size)
     epoch, j = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return perm[j * batch_size:(j + 1) * batch_size]
+    return perm[j * batch_size : (j + 1) * batch_size]
 
 
 def transform_parameters(head: nn.Module) -> list[nn.Parameter]:
@@ -99,22 +101,31 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def fit_transforms(heads: dict[int, nn.Module], readout: Readout, data: TokenData,
-                   cfg: TrainConfig, state_path: Path | None = None,
-                   progress: bool = True) -> dict[str, Any]:
+def fit_transforms(
+    heads: dict[int, nn.Module],
+    readout: Readout,
+    data: TokenData,
+    cfg: TrainConfig,
+    state_path: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Train every head's transform on ``data`` (in place) for ``cfg.steps`` steps; returns
     ``{"loss": {layer: [per-step loss]}, "seconds": ...}``. With ``state_path`` a checkpoint is
     written every ``cfg.checkpoint_every`` steps and resumed from if present."""
     from tqdm import tqdm
 
-    loss_fn: Callable = adadecode_loss if cfg.kind == "adadecode" else (
-        lambda z, i, v, s: cascade_loss(z, i, v, s, cfg.alpha, cfg.temperature))
+    loss_fn: Callable = (
+        adadecode_loss
+        if cfg.kind == "adadecode"
+        else (lambda z, i, v, s: cascade_loss(z, i, v, s, cfg.alpha, cfg.temperature))
+    )
     ada = cfg.kind == "adadecode"
     wd = cfg.weight_decay if cfg.weight_decay is not None else (0.0 if ada else 0.01)
     lr = cfg.lr if cfg.lr is not None else (3e-3 if ada else 1e-3)
     groups = {l: transform_parameters(h) for l, h in heads.items()}
-    opt = torch.optim.AdamW([p for ps in groups.values() for p in ps], lr=lr,
-                            weight_decay=wd, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [p for ps in groups.values() for p in ps], lr=lr, weight_decay=wd, betas=(0.9, 0.95)
+    )
     history: dict[str, list[float]] = {str(l): [] for l in heads}
     step, seconds = 0, 0.0
     if state_path is not None and state_path.is_file():
@@ -126,12 +137,20 @@ def fit_transforms(heads: dict[int, nn.Module], readout: Readout, data: TokenDat
 
     def checkpoint() -> None:
         if state_path is not None:
-            _atomic_torch_save({"step": step, "seconds": seconds, "history": history,
-                                "heads": {l: h.state_dict() for l, h in heads.items()},
-                                "optimizer": opt.state_dict()}, state_path)
+            _atomic_torch_save(
+                {
+                    "step": step,
+                    "seconds": seconds,
+                    "history": history,
+                    "heads": {l: h.state_dict() for l, h in heads.items()},
+                    "optimizer": opt.state_dict(),
+                },
+                state_path,
+            )
 
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.kind}", unit="step",
-               disable=not progress)
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc=f"train {cfg.kind}", unit="step", disable=not progress
+    )
     while step < cfg.steps:
         t0 = time.perf_counter()
         for g in opt.param_groups:
@@ -157,8 +176,14 @@ def fit_transforms(heads: dict[int, nn.Module], readout: Readout, data: TokenDat
     return {"loss": history, "seconds": round(seconds, 1)}
 
 
-def fit_estimators(heads: dict[int, nn.Module], readout: Readout, fit: TokenData,
-                   val: TokenData, cfg: TrainConfig, progress: bool = True) -> dict[str, Any]:
+def fit_estimators(
+    heads: dict[int, nn.Module],
+    readout: Readout,
+    fit: TokenData,
+    val: TokenData,
+    cfg: TrainConfig,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Cascade stage 3 (see module doc): train each head's confidence estimator on ``fit`` and
     set ``head.threshold`` by F1 on ``val``. Returns per-layer positives rate and F1 stats."""
     from tqdm import tqdm
@@ -166,8 +191,9 @@ def fit_estimators(heads: dict[int, nn.Module], readout: Readout, fit: TokenData
     from .evaluate import select_threshold, top1
 
     report: dict[str, Any] = {}
-    for l, head in tqdm(heads.items(), desc="confidence estimators", unit="layer",
-                        disable=not progress):
+    for l, head in tqdm(
+        heads.items(), desc="confidence estimators", unit="layer", disable=not progress
+    ):
         x, y = fit.hidden[l], (top1(readout, fit.hidden[l], head) == fit.topk_ids[:, 0]).float()
         head.fit_feature_stats(x)
         params = list(head.estimator.parameters())
@@ -186,19 +212,31 @@ def fit_estimators(heads: dict[int, nn.Module], readout: Readout, fit: TokenData
         val_correct = top1(readout, val.hidden[l], head) == val.topk_ids[:, 0]
         choice = select_threshold(scores, val_correct)
         head.threshold = choice["threshold"]
-        report[str(l)] = {"fit_positive_rate": round(float(y.mean()), 4),
-                          "final_bce": round(loss.item(), 4),
-                          **{k: round(v, 4) for k, v in choice.items()}}
+        report[str(l)] = {
+            "fit_positive_rate": round(float(y.mean()), 4),
+            "final_bce": round(loss.item(), 4),
+            **{k: round(v, 4) for k, v in choice.items()},
+        }
     return report
 
 
 def _corpus_digests(data_dir: Path, splits) -> list[str]:
-    return sorted({p["digest"] for s in splits
-                   for p in json.loads((data_dir / f"{s}-prompts.json").read_text())})
+    return sorted(
+        {
+            p["digest"]
+            for s in splits
+            for p in json.loads((data_dir / f"{s}-prompts.json").read_text())
+        }
+    )
 
 
-def train_heads(model: str | None, cfg: TrainConfig, out: str | Path,
-                data_dir: str | Path | None = None, progress: bool = True) -> Path:
+def train_heads(
+    model: str | None,
+    cfg: TrainConfig,
+    out: str | Path,
+    data_dir: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
     """The whole ``train-heads`` run (see module doc); returns the head directory ``out``.
 
     ``data_dir``: where collected shards live (default ``$VLLM_SELFSPEC_HOME/heads/data/<key>``,
@@ -221,19 +259,32 @@ def train_heads(model: str | None, cfg: TrainConfig, out: str | Path,
     identity = identity_from_hf(lm)
     bad = [l for l in cfg.layers if not 0 < l < identity.num_layers]
     if bad:
-        raise ValueError(f"exit layers must be in [1, {identity.num_layers - 1}] for this "
-                         f"{identity.num_layers}-layer model, got {bad}")
+        raise ValueError(
+            f"exit layers must be in [1, {identity.num_layers - 1}] for this "
+            f"{identity.num_layers}-layer model, got {bad}"
+        )
 
-    spec = CollectSpec(identity.fingerprint, cfg.layers, cfg.sources, cfg.max_prompts,
-                       cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.top_k, cfg.seed)
+    spec = CollectSpec(
+        identity.fingerprint,
+        cfg.layers,
+        cfg.sources,
+        cfg.max_prompts,
+        cfg.max_prompt_tokens,
+        cfg.max_new_tokens,
+        cfg.top_k,
+        cfg.seed,
+    )
     data_dir = Path(data_dir) if data_dir else home() / "heads" / "data" / spec.key()
     corpus = load_corpus(cfg.sources, tok, model_path)
     data = collect(lm, tok, corpus, TRAINING_SPLITS, spec, data_dir, progress=progress)
 
     work = out.parent / f".{out.name}.work"
     work.mkdir(parents=True, exist_ok=True)
-    run_key = json.dumps({"cfg": asdict(cfg), "data": str(data_dir), "id": identity.to_dict()},
-                         sort_keys=True, default=list)
+    run_key = json.dumps(
+        {"cfg": asdict(cfg), "data": str(data_dir), "id": identity.to_dict()},
+        sort_keys=True,
+        default=list,
+    )
     if (work / "run.json").is_file() and (work / "run.json").read_text() != run_key:
         shutil.rmtree(work)  # a checkpoint of a different run: start over
         work.mkdir(parents=True)
@@ -254,8 +305,9 @@ def train_heads(model: str | None, cfg: TrainConfig, out: str | Path,
     for h in heads.values():
         h.eval().requires_grad_(False)
 
-    tokens = {s: {"positions": len(d), "generated": int(d.generated.sum())}
-              for s, d in data.items()}
+    tokens = {
+        s: {"positions": len(d), "generated": int(d.generated.sum())} for s, d in data.items()
+    }
     metadata = {
         "model_path": model_path,
         "config": asdict(cfg),
@@ -268,11 +320,16 @@ def train_heads(model: str | None, cfg: TrainConfig, out: str | Path,
         "first_loss": {l: v[0] for l, v in fit["loss"].items()},
         "estimators": est,
         "val": agreement(heads, readout, data["val"]),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "wall_seconds_this_run": round(time.perf_counter() - t_start, 1),
     }
-    save_heads(out, HeadSet(cfg.kind, heads, identity), metadata,
-               _corpus_digests(data_dir, TRAINING_SPLITS))
+    save_heads(
+        out,
+        HeadSet(cfg.kind, heads, identity),
+        metadata,
+        _corpus_digests(data_dir, TRAINING_SPLITS),
+    )
     shutil.rmtree(work, ignore_errors=True)
     return out
 

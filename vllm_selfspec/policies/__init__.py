@@ -1,4 +1,5 @@
 """Policies: one file per method. Each is pure tensor logic and never imports vLLM."""
+
 from __future__ import annotations
 
 from .adadecode import AdaDecodePolicy
@@ -17,5 +18,15 @@ POLICIES: dict[str, type[Policy]] = {
     AdaDecodePolicy.name: AdaDecodePolicy,
 }
 
-__all__ = ["POLICIES", "AdaDecodePolicy", "DraftDecision", "Feedback", "ModelInfo", "Policy", "CascadePolicy",
-           "DELPolicy", "KnapSpecPolicy", "LayerSkipPolicy"]
+__all__ = [
+    "POLICIES",
+    "AdaDecodePolicy",
+    "DraftDecision",
+    "Feedback",
+    "ModelInfo",
+    "Policy",
+    "CascadePolicy",
+    "DELPolicy",
+    "KnapSpecPolicy",
+    "LayerSkipPolicy",
+]

@@ -23,6 +23,7 @@ Options:
 
 There is no per-request statistic: the paper's rule is a fixed threshold.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -63,10 +64,15 @@ class AdaDecodePolicy(Policy):
         layers = config.get("exit_layers")
         if layers is None:
             return trained
-        if (not isinstance(layers, list) or not layers
-                or any(x not in trained or isinstance(x, bool) for x in layers)):
-            raise ValueError(f"adadecode: exit_layers must be a non-empty subset of the trained "
-                             f"heads' layers {list(trained)}, got {layers!r}")
+        if (
+            not isinstance(layers, list)
+            or not layers
+            or any(x not in trained or isinstance(x, bool) for x in layers)
+        ):
+            raise ValueError(
+                f"adadecode: exit_layers must be a non-empty subset of the trained "
+                f"heads' layers {list(trained)}, got {layers!r}"
+            )
         return tuple(sorted(set(layers)))
 
     @classmethod
@@ -81,15 +87,20 @@ class AdaDecodePolicy(Policy):
         self.validate(config, model)
         self.exit_layers = self.exits(config, model)
         if not self.exit_layers:
-            raise ValueError("adadecode: heads must be resolved to a directory before the engine "
-                             "starts (SelfSpecConfig.resolved)")
+            raise ValueError(
+                "adadecode: heads must be resolved to a directory before the engine "
+                "starts (SelfSpecConfig.resolved)"
+            )
         #: the engine loads these heads into its head slots ("heads@<layer>")
         self.heads_path = config["heads"]
         self.threshold = float(config.get("threshold", 0.85))
         # the plan is only the engine's record of the deepest layer a draft walk reaches
         self.decision = DraftDecision(
-            LayerPlan.prefix(model.num_layers, self.exit_layers[-1],
-                             f"heads@{self.exit_layers[-1]}"), max_draft_tokens)
+            LayerPlan.prefix(
+                model.num_layers, self.exit_layers[-1], f"heads@{self.exit_layers[-1]}"
+            ),
+            max_draft_tokens,
+        )
 
     def head_for_layer(self, layer: int) -> str:
         return f"heads@{layer}"
@@ -98,6 +109,10 @@ class AdaDecodePolicy(Policy):
         return self.decision
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "heads": self.heads_path, "threshold": self.threshold,
-                "exit_layers": list(self.exit_layers),
-                "num_speculative_tokens": self.max_draft_tokens}
+        return {
+            "method": self.name,
+            "heads": self.heads_path,
+            "threshold": self.threshold,
+            "exit_layers": list(self.exit_layers),
+            "num_speculative_tokens": self.max_draft_tokens,
+        }

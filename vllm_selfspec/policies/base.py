@@ -11,6 +11,7 @@ The engine calls, per request and per decode step:
 State is whatever ``new_state()`` returns; the engine creates it on a request's first step and
 drops it when vLLM removes the request.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -157,34 +158,40 @@ class Policy(ABC):
 def train_hint(kind: str, model_path: str | None = None) -> str:
     """How to get heads of ``kind`` (ends every heads error)."""
     model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
-    return (f"train them once with `vllm-selfspec train-heads --kind {kind}{model}` "
-            f"(15-20 minutes on a 2-core CPU for the embedded model), then pass "
-            f"\"heads\": HEADS_DIR or leave \"heads\": \"auto\" for the embedded model")
+    return (
+        f"train them once with `vllm-selfspec train-heads --kind {kind}{model}` "
+        f"(15-20 minutes on a 2-core CPU for the embedded model), then pass "
+        f'"heads": HEADS_DIR or leave "heads": "auto" for the embedded model'
+    )
 
 
-def resolve_heads(config: dict[str, Any], model_path: str, method: str, kind: str,
-                  label: str) -> dict[str, Any]:
+def resolve_heads(
+    config: dict[str, Any], model_path: str, method: str, kind: str, label: str
+) -> dict[str, Any]:
     """``heads: "auto"`` -> the model's cached heads of ``kind``, or a clear error."""
     if config.get("heads", "auto") == "auto":
         from ..models import cached_heads
 
         found = cached_heads(model_path, kind)
         if found is None:
-            raise ValueError(f"{method}: no trained {label} heads are cached for the model "
-                             f"{model_path}; {train_hint(kind, model_path)}")
+            raise ValueError(
+                f"{method}: no trained {label} heads are cached for the model "
+                f"{model_path}; {train_hint(kind, model_path)}"
+            )
         config["heads"] = str(found)
     return config
 
 
-def heads_config(config: dict[str, Any], model: ModelInfo, method: str, kind: str,
-                 need: str = "") -> dict[str, Any] | None:
+def heads_config(
+    config: dict[str, Any], model: ModelInfo, method: str, kind: str, need: str = ""
+) -> dict[str, Any] | None:
     """The heads' config.json, checked to be of ``kind`` and for this model's sizes (None while
     ``heads`` is still "auto"); ``need`` says what that kind is, for the error."""
     heads = config.get("heads", "auto")
     if heads == "auto":
         return None
     if not isinstance(heads, str) or not heads:
-        raise ValueError(f"{method}: heads must be \"auto\" or a head directory, got {heads!r}")
+        raise ValueError(f'{method}: heads must be "auto" or a head directory, got {heads!r}')
     from ..heads.io import read_config
 
     try:
@@ -192,11 +199,15 @@ def heads_config(config: dict[str, Any], model: ModelInfo, method: str, kind: st
     except ValueError as e:
         raise ValueError(f"{method}: heads: {e}; {train_hint(kind)}") from e
     if hc.get("kind") != kind:
-        raise ValueError(f"{method}: the heads in {heads} are of kind {hc.get('kind')!r}; "
-                         f"{method} needs kind {kind!r}{need}: {train_hint(kind)}")
+        raise ValueError(
+            f"{method}: the heads in {heads} are of kind {hc.get('kind')!r}; "
+            f"{method} needs kind {kind!r}{need}: {train_hint(kind)}"
+        )
     base = hc["base_model"]
     for key in ("num_layers", "hidden_size", "vocab_size"):
         if base[key] != getattr(model, key):
-            raise ValueError(f"{method}: the heads in {heads} were trained for a model with "
-                             f"{key}={base[key]}, this model has {getattr(model, key)}")
+            raise ValueError(
+                f"{method}: the heads in {heads} were trained for a model with "
+                f"{key}={base[key]}, this model has {getattr(model, key)}"
+            )
     return hc

@@ -56,6 +56,7 @@ Options:
 * ``draft_vocab_size``: "auto" by default (the adapters' logits over the model's 8192 most
   frequent tokens when its map is cached; see config.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -101,8 +102,14 @@ class CascadeState:
 
 class CascadePolicy(Policy):
     name = "cascade"
-    options = {"heads": "auto", "exit_layers": None, "thresholds": None, "lossy": False,
-               "adaptive": True, "omega": 0.95}
+    options = {
+        "heads": "auto",
+        "exit_layers": None,
+        "thresholds": None,
+        "lossy": False,
+        "adaptive": True,
+        "omega": 0.95,
+    }
     # the reduced draft vocabulary when the model has a map, as DEL and KnapSpec
     common_defaults = {"num_speculative_tokens": 6, "draft_vocab_size": "auto"}
 
@@ -113,8 +120,9 @@ class CascadePolicy(Policy):
     @staticmethod
     def _heads_config(config: dict[str, Any], model: ModelInfo) -> dict[str, Any] | None:
         """The heads' config.json, checked against the model (None while still "auto")."""
-        return heads_config(config, model, "cascade", HEAD_KIND,
-                            " (adapters with confidence estimators)")
+        return heads_config(
+            config, model, "cascade", HEAD_KIND, " (adapters with confidence estimators)"
+        )
 
     @classmethod
     def exits(cls, config: dict[str, Any], model: ModelInfo) -> tuple[CascadeExit, ...]:
@@ -128,27 +136,33 @@ class CascadePolicy(Policy):
             layers = sorted(trained)
         bad = [x for x in layers if x not in trained]
         if not layers or bad:
-            raise ValueError(f"cascade: exit_layers must be a non-empty subset of the trained "
-                             f"exits {sorted(trained)}, got {layers!r}")
+            raise ValueError(
+                f"cascade: exit_layers must be a non-empty subset of the trained "
+                f"exits {sorted(trained)}, got {layers!r}"
+            )
         over = config.get("thresholds")
         if over is None:
             over = {}
         elif isinstance(over, (int, float)) and not isinstance(over, bool):
             over = {str(layer): over for layer in layers}
         if not isinstance(over, dict):
-            raise ValueError(f"cascade: thresholds must be null, a number or {{\"layer\": "
-                             f"number}}, got {over!r}")
+            raise ValueError(
+                f'cascade: thresholds must be null, a number or {{"layer": number}}, got {over!r}'
+            )
         thresholds = dict(trained)
         for key, t in over.items():
             if not str(key).isdigit() or int(key) not in trained:
-                raise ValueError(f"cascade: thresholds names exit {key!r}; trained exits are "
-                                 f"{sorted(trained)}")
+                raise ValueError(
+                    f"cascade: thresholds names exit {key!r}; trained exits are {sorted(trained)}"
+                )
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1:
-                raise ValueError(f"cascade: the threshold of exit {key} must be in [0, 1], "
-                                 f"got {t!r}")
+                raise ValueError(
+                    f"cascade: the threshold of exit {key} must be in [0, 1], got {t!r}"
+                )
             thresholds[int(key)] = float(t)
-        return tuple(CascadeExit(layer, f"heads@{layer}", thresholds[layer])
-                     for layer in sorted(set(layers)))
+        return tuple(
+            CascadeExit(layer, f"heads@{layer}", thresholds[layer]) for layer in sorted(set(layers))
+        )
 
     @classmethod
     def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
@@ -164,8 +178,10 @@ class CascadePolicy(Policy):
         super().__init__(config, model, max_draft_tokens)
         self.cascade = self.exits(config, model)
         if not self.cascade:
-            raise ValueError("cascade: heads must be resolved to a directory before the engine "
-                             "starts (SelfSpecConfig.resolved)")
+            raise ValueError(
+                "cascade: heads must be resolved to a directory before the engine "
+                "starts (SelfSpecConfig.resolved)"
+            )
         #: the engine loads these heads into its head slots
         self.heads_path = config["heads"]
         #: drafts are emitted without verification (changes outputs; see the module docstring)
@@ -176,9 +192,11 @@ class CascadePolicy(Policy):
         self.layers = np.array([e.layer for e in self.cascade], dtype=np.float64)
         self.prior_confident, self.prior_accept = self._priors(config, model)
         deepest = self.cascade[-1]
-        self.decision = DraftDecision(LayerPlan.prefix(model.num_layers, deepest.layer,
-                                                       deepest.head),
-                                      max_draft_tokens, cascade=self.cascade)
+        self.decision = DraftDecision(
+            LayerPlan.prefix(model.num_layers, deepest.layer, deepest.head),
+            max_draft_tokens,
+            cascade=self.cascade,
+        )
 
     def _priors(self, config: dict[str, Any], model: ModelInfo) -> tuple[np.ndarray, np.ndarray]:
         """Priors of p_i and a_i from the estimators' held-out scores recorded by training:
@@ -204,7 +222,7 @@ class CascadePolicy(Policy):
         accepted_left = feedback.num_accepted
         judged = True  # the drafts so far were all accepted: the next verdict is its own
         for cap, chosen in feedback.cascade_steps or ():
-            state.reached[:(chosen if chosen >= 0 else cap) + 1] += 1
+            state.reached[: (chosen if chosen >= 0 else cap) + 1] += 1
             if chosen < 0:
                 break
             state.confident[chosen] += 1
@@ -227,8 +245,9 @@ class CascadePolicy(Policy):
         """(t per layer, t per draft step, G per target step, c_v per verified token, c_h per
         head): measured seconds when the engine has them, else layers."""
         m = self.model
-        head = (m.draft_head_layers if m.draft_head_layers is not None
-                else m.lm_head_layers) + ADAPTER_LAYERS
+        head = (
+            m.draft_head_layers if m.draft_head_layers is not None else m.lm_head_layers
+        ) + ADAPTER_LAYERS
         G = m.num_layers + m.lm_head_layers
         t, step0, c_v, c_h = 1.0, 0.0, VERIFY_TOKEN_SHARE * G, head
         costs = self.costs
@@ -268,7 +287,11 @@ class CascadePolicy(Policy):
         return self.decision
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "heads": self.heads_path, "lossy": self.lossy,
-                "adaptive": self.adaptive,
-                "exits": {e.layer: e.threshold for e in self.cascade},
-                "num_speculative_tokens": self.max_draft_tokens}
+        return {
+            "method": self.name,
+            "heads": self.heads_path,
+            "lossy": self.lossy,
+            "adaptive": self.adaptive,
+            "exits": {e.layer: e.threshold for e in self.cascade},
+            "num_speculative_tokens": self.max_draft_tokens,
+        }

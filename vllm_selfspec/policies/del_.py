@@ -42,6 +42,7 @@ about a fifth of the whole model per row), and the paper projects all L layers o
 * ``capture_tokens``: prompt tokens that initialise the statistics at prefill (default 8; the
   paper's 32 costs 4x more LM-head rows per request).
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,6 @@ import numpy as np
 
 from ..plans import LayerPlan
 from .base import DraftDecision, Feedback, ModelInfo, Policy
-
 
 #: real draft steps at a layer (decayed) after which their confidence-stop rate replaces the
 #: shadow tokens' estimate of it
@@ -68,8 +68,9 @@ def default_exit_layers(num_layers: int, count: int = 6) -> tuple[int, ...]:
     return tuple(sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)}))
 
 
-def round_expectations(accept: np.ndarray, max_draft: int, pass_rate: np.ndarray | None = None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def round_expectations(
+    accept: np.ndarray, max_draft: int, pass_rate: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Expected (emitted tokens, draft steps, drafts verified) of a round, per candidate layer
     (rows) and draft cap d = 0..max_draft (columns), when drafting stops at the confidence
     threshold: a draft token passes it with probability β (``pass_rate``) and, having passed,
@@ -77,19 +78,28 @@ def round_expectations(accept: np.ndarray, max_draft: int, pass_rate: np.ndarray
     dropped but its draft step is paid. β = 1 is the paper's model: (1 − a^{d+1}) / (1 − a)
     tokens for d steps."""
     a = np.clip(np.asarray(accept, dtype=np.float64), 0.0, 1.0)[:, None]
-    b = (np.ones_like(a) if pass_rate is None
-         else np.clip(np.asarray(pass_rate, dtype=np.float64), 0.0, 1.0)[:, None])
+    b = (
+        np.ones_like(a)
+        if pass_rate is None
+        else np.clip(np.asarray(pass_rate, dtype=np.float64), 0.0, 1.0)[:, None]
+    )
     i = np.arange(1, max_draft + 1)[None, :]
     zero = np.zeros((a.shape[0], 1))
     tokens = 1.0 + np.concatenate([zero, np.cumsum((a * b) ** i, axis=1)], axis=1)
     steps = np.concatenate([zero, np.cumsum(b ** (i - 1), axis=1)], axis=1)
-    drafts = np.concatenate([zero, np.cumsum(b ** i, axis=1)], axis=1)
+    drafts = np.concatenate([zero, np.cumsum(b**i, axis=1)], axis=1)
     return tokens, steps, drafts
 
 
-def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int, max_draft: int,
-              head_layers: float = 0.0, pass_rate: np.ndarray | None = None,
-              draft_head_layers: float | None = None) -> np.ndarray:
+def tpl_table(
+    alpha: np.ndarray,
+    layers: np.ndarray,
+    num_layers: int,
+    max_draft: int,
+    head_layers: float = 0.0,
+    pass_rate: np.ndarray | None = None,
+    draft_head_layers: float | None = None,
+) -> np.ndarray:
     """TPL(ℓ, d) for every candidate layer (rows) and draft cap d = 0..max_draft (columns).
     ``head_layers`` > 0 also counts the LM head read by every target step, and by every draft
     step unless ``draft_head_layers`` says otherwise (a reduced draft vocabulary);
@@ -101,8 +111,13 @@ def tpl_table(alpha: np.ndarray, layers: np.ndarray, num_layers: int, max_draft:
     return tokens / cost
 
 
-def tpt_table(alpha: np.ndarray, draft_seconds: np.ndarray, verify_seconds, max_draft: int,
-              pass_rate: np.ndarray | None = None) -> np.ndarray:
+def tpt_table(
+    alpha: np.ndarray,
+    draft_seconds: np.ndarray,
+    verify_seconds,
+    max_draft: int,
+    pass_rate: np.ndarray | None = None,
+) -> np.ndarray:
     """Tokens per second: draft_seconds[ℓ] per draft step at each candidate layer,
     ``verify_seconds(tokens)`` for a verification of that many tokens per request (a line)."""
     tokens, steps, drafts = round_expectations(alpha, max_draft, pass_rate)
@@ -137,11 +152,21 @@ class DELState:
 
 class DELPolicy(Policy):
     name = "del"
-    options = {"exit_layers": None, "omega": 0.95, "shadow_every": 4, "dynamic_threshold": True,
-               "cost": "layers", "heads": "auto"}
+    options = {
+        "exit_layers": None,
+        "omega": 0.95,
+        "shadow_every": 4,
+        "dynamic_threshold": True,
+        "cost": "layers",
+        "heads": "auto",
+    }
     # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
     # 0.95x vs 0.81x with trained heads at bs 1, docs/benchmarks.md)
-    common_defaults = {"num_speculative_tokens": 18, "capture_tokens": 8, "draft_vocab_size": "auto"}
+    common_defaults = {
+        "num_speculative_tokens": 18,
+        "capture_tokens": 8,
+        "draft_vocab_size": "auto",
+    }
     shadow = True
 
     @classmethod
@@ -169,8 +194,10 @@ class DELPolicy(Policy):
         base = hc["base_model"]
         for key in ("num_layers", "hidden_size", "vocab_size"):
             if base[key] != getattr(model, key):
-                raise ValueError(f"del: the heads in {heads} were trained for a model with "
-                                 f"{key}={base[key]}, this model has {getattr(model, key)}")
+                raise ValueError(
+                    f"del: the heads in {heads} were trained for a model with "
+                    f"{key}={base[key]}, this model has {getattr(model, key)}"
+                )
         return tuple(int(layer) for layer in hc["layers"])
 
     @classmethod
@@ -181,7 +208,7 @@ class DELPolicy(Policy):
         if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
             raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
         if config.get("cost", "layers") not in ("layers", "time"):
-            raise ValueError(f"del: cost must be \"layers\" or \"time\", got {config.get('cost')!r}")
+            raise ValueError(f'del: cost must be "layers" or "time", got {config.get("cost")!r}')
         every = config.get("shadow_every", 4)
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"del: shadow_every must be a positive integer, got {every!r}")
@@ -192,11 +219,12 @@ class DELPolicy(Policy):
         layers = config.get("exit_layers")
         if layers is None:
             return DELPolicy._head_layers(config, model) or default_exit_layers(L)
-        bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool)
-               or not 1 <= x < L]
+        bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x < L]
         if not layers or bad:
-            raise ValueError(f"del: exit_layers must be a non-empty list of layer counts in "
-                             f"[1, {L - 1}] for this {L}-layer model, got {layers!r}")
+            raise ValueError(
+                f"del: exit_layers must be a non-empty list of layer counts in "
+                f"[1, {L - 1}] for this {L}-layer model, got {layers!r}"
+            )
         return tuple(sorted(set(layers)))
 
     def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
@@ -212,8 +240,10 @@ class DELPolicy(Policy):
         self.dynamic_threshold = bool(config.get("dynamic_threshold", True))
         self.cost = config.get("cost", "layers")
         self.timed = self.cost == "time"
-        self.plans = {l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))
-                      for l in self.capture_layers}
+        self.plans = {
+            l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))
+            for l in self.capture_layers
+        }
         self.no_draft = DraftDecision(LayerPlan.full(model.num_layers), 0)
 
     def head_for_layer(self, layer: int) -> str:
@@ -243,8 +273,13 @@ class DELPolicy(Policy):
         match = (feedback.shadow_tokens == feedback.targets[None, :]).numpy()  # [layers, m]
         conf = feedback.shadow_conf.float().numpy()
         # which rows the confidence stop (with the thresholds as they stand) would have let pass
-        floors = np.array([self.threshold(state, j) if self.dynamic_threshold else None
-                           for j in range(len(self.layers))], dtype=np.float64)
+        floors = np.array(
+            [
+                self.threshold(state, j) if self.dynamic_threshold else None
+                for j in range(len(self.layers))
+            ],
+            dtype=np.float64,
+        )
         passed = ~(conf < np.nan_to_num(floors, nan=-1.0)[:, None])
         w = self.omega
         state.s_u = w * state.s_u + match.shape[1]
@@ -277,8 +312,9 @@ class DELPolicy(Policy):
         # where real drafts ran often enough, their pass rate replaces the shadow estimate
         real = state.s_steps >= MIN_REAL_STEPS
         beta = np.where(real, 1.0 - state.s_stops / np.maximum(state.s_steps, 1e-9), beta)
-        accept = np.divide(state.s_pass_c, state.s_pass, out=np.zeros(len(self.layers)),
-                           where=state.s_pass > 0)
+        accept = np.divide(
+            state.s_pass_c, state.s_pass, out=np.zeros(len(self.layers)), where=state.s_pass > 0
+        )
         return beta, accept
 
     def _choose(self, state: DELState) -> tuple[int, int]:
@@ -308,12 +344,27 @@ class DELPolicy(Policy):
         if self.cost == "time" and self.costs is not None:
             draft = [self.costs.draft_seconds(layer) for layer in self.capture_layers]
             if None not in draft and self.costs.verify_seconds(1.0) is not None:
-                return tpt_table(accept, np.array(draft), self.costs.verify_seconds,
-                                 self.max_draft_tokens, beta)
-        return tpl_table(accept, self.layers, self.model.num_layers, self.max_draft_tokens,
-                         self.model.lm_head_layers, beta, self.model.draft_head_layers)
+                return tpt_table(
+                    accept, np.array(draft), self.costs.verify_seconds, self.max_draft_tokens, beta
+                )
+        return tpl_table(
+            accept,
+            self.layers,
+            self.model.num_layers,
+            self.max_draft_tokens,
+            self.model.lm_head_layers,
+            beta,
+            self.model.draft_head_layers,
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "cost": self.cost, "heads": self.heads_path, "exit_layers": list(self.capture_layers),
-                "omega": self.omega, "shadow_every": self.every,
-                "d_max": self.max_draft_tokens, "dynamic_threshold": self.dynamic_threshold}
+        return {
+            "method": self.name,
+            "cost": self.cost,
+            "heads": self.heads_path,
+            "exit_layers": list(self.capture_layers),
+            "omega": self.omega,
+            "shadow_every": self.every,
+            "d_max": self.max_draft_tokens,
+            "dynamic_threshold": self.dynamic_threshold,
+        }

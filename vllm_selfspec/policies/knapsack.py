@@ -22,11 +22,12 @@ step pays (on small models it outweighs many sub-layers; the draft's may be a re
 and the target's time may grow with the tokens it verifies (``verify_ratio``, measured by the
 engine).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -56,8 +57,13 @@ class LatencyModel:
     t_target_head: float | None = None  # the target's LM head (None: same as the draft's)
 
     @classmethod
-    def fit(cls, attn: Sequence[tuple[int, float]], t_mlp: float, t_head: float = 0.0,
-            t_target_head: float | None = None) -> "LatencyModel":
+    def fit(
+        cls,
+        attn: Sequence[tuple[int, float]],
+        t_mlp: float,
+        t_head: float = 0.0,
+        t_target_head: float | None = None,
+    ) -> LatencyModel:
         """Least-squares line through (context length, attention seconds) samples; a negative
         slope (noise) is clamped to 0, leaving the mean as the constant."""
         ns = np.array([n for n, _ in attn], dtype=np.float64)
@@ -71,8 +77,13 @@ class LatencyModel:
         c3 = float(ts.mean() - c2 * ns.mean())
         if c3 <= 0:  # keep t_Attn positive at short contexts
             c3 = float(ts.min()) * 1e-3
-        return cls(t_mlp=float(t_mlp), c2=c2, c3=c3, t_head=float(t_head),
-                   t_target_head=None if t_target_head is None else float(t_target_head))
+        return cls(
+            t_mlp=float(t_mlp),
+            c2=c2,
+            c3=c3,
+            t_head=float(t_head),
+            t_target_head=None if t_target_head is None else float(t_target_head),
+        )
 
     def t_attn(self, n: int) -> float:
         return self.c2 * n + self.c3
@@ -81,8 +92,10 @@ class LatencyModel:
         """(w_attn, w_mlp) at context n: rounded ratios to Δ = min(t_Attn(n), t_MLP)."""
         ta, tm = self.t_attn(n), self.t_mlp
         delta = min(ta, tm)
-        return (min(MAX_WEIGHT, max(1, round(ta / delta))),
-                min(MAX_WEIGHT, max(1, round(tm / delta))))
+        return (
+            min(MAX_WEIGHT, max(1, round(ta / delta))),
+            min(MAX_WEIGHT, max(1, round(tm / delta))),
+        )
 
     def draft_seconds(self, n_attn: np.ndarray, n_mlp: np.ndarray, n: int) -> np.ndarray:
         """One draft step running n_attn attention and n_mlp MLP sub-layers at context n."""
@@ -96,10 +109,12 @@ class LatencyModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LatencyModel":
+    def from_dict(cls, d: dict) -> LatencyModel:
         th = d.get("t_target_head")
-        return cls(**{k: float(d[k]) for k in ("t_mlp", "c2", "c3", "t_head")},
-                   t_target_head=None if th is None else float(th))
+        return cls(
+            **{k: float(d[k]) for k in ("t_mlp", "c2", "c3", "t_head")},
+            t_target_head=None if th is None else float(th),
+        )
 
 
 # ---- (b) the parallel DP ----------------------------------------------------------------------
@@ -118,8 +133,14 @@ class DPResult:
     rows_evaluated: int  # rows that went through a sub-layer (the search's compute)
 
 
-def knapsack_dp(refs: dict[int, torch.Tensor], sublayer: SubLayerFn, num_sublayers: int,
-                w_attn: int, w_mlp: int, tau: float = 0.5) -> DPResult:
+def knapsack_dp(
+    refs: dict[int, torch.Tensor],
+    sublayer: SubLayerFn,
+    num_sublayers: int,
+    w_attn: int,
+    w_mlp: int,
+    tau: float = 0.5,
+) -> DPResult:
     """Algorithm 1. ``refs[k]`` = X(k), the full model's states after k sub-layers (``refs[0]``
     required); a missing X(k) is computed as ``f_k(X(k-1))`` inside the same batched call as the
     budgets' states (it rides along as one extra member)."""
@@ -145,7 +166,7 @@ def knapsack_dp(refs: dict[int, torch.Tensor], sublayer: SubLayerFn, num_sublaye
         out = sublayer(s, batch) if len(batch) else batch
         rows += len(batch) * r
         ref = out[-1] if need_ref else refs[s + 1]
-        executed = out[:len(Jx)]
+        executed = out[: len(Jx)]
         sim_exec = neg.clone()
         sim_exec[0] = 1.0
         if len(Jx):
@@ -178,8 +199,14 @@ def knapsack_dp(refs: dict[int, torch.Tensor], sublayer: SubLayerFn, num_sublaye
         assert j == 0, "backtracking must end at budget 0"
         skip_sets.append(tuple(reversed(path)))
     final = states[budgets]
-    return DPResult(budgets=budgets.tolist(), states=final, similarity=mean_cosine(final, ref),
-                    skip_sets=skip_sets, reference=ref, rows_evaluated=rows)
+    return DPResult(
+        budgets=budgets.tolist(),
+        states=final,
+        similarity=mean_cosine(final, ref),
+        skip_sets=skip_sets,
+        reference=ref,
+        rows_evaluated=rows,
+    )
 
 
 # ---- (c) TPT selection ------------------------------------------------------------------------
@@ -190,8 +217,9 @@ def expected_tokens(alpha: np.ndarray, max_draft: int) -> np.ndarray:
     return (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
-def tpt_table(alpha: np.ndarray, draft_seconds: np.ndarray, target_seconds: np.ndarray,
-              max_draft: int) -> np.ndarray:
+def tpt_table(
+    alpha: np.ndarray, draft_seconds: np.ndarray, target_seconds: np.ndarray, max_draft: int
+) -> np.ndarray:
     """TPT(S, γ) for candidates S (rows) and γ = 0..D (columns); target_seconds[γ] is the
     verification of γ drafts."""
     g = np.arange(max_draft + 1)[None, :]
@@ -217,16 +245,23 @@ class Choice:
     rows_evaluated: int
 
 
-def select(dp: DPResult, predict: PredictFn, latency: LatencyModel, num_layers: int, n: int,
-           max_draft: int, verify_ratio: Sequence[float] | None = None,
-           predict_target: PredictFn | None = None) -> Choice:
+def select(
+    dp: DPResult,
+    predict: PredictFn,
+    latency: LatencyModel,
+    num_layers: int,
+    n: int,
+    max_draft: int,
+    verify_ratio: Sequence[float] | None = None,
+    predict_target: PredictFn | None = None,
+) -> Choice:
     """Backtracked candidates -> α̂ (Eq. 9) -> the (S, γ) with the highest TPT (Eq. 4).
     ``predict`` gives the draft's tokens, ``predict_target`` the target's (default: the same);
     ``verify_ratio[γ]``: verification of γ drafts relative to a plain step (default all 1)."""
     C, r, d = dp.states.shape
     if predict_target is None:
         tokens = predict(torch.cat([dp.states.reshape(C * r, d), dp.reference])).cpu()
-        mine, full = tokens[:C * r].view(C, r), tokens[C * r:]
+        mine, full = tokens[: C * r].view(C, r), tokens[C * r :]
     else:
         mine = predict(dp.states.reshape(C * r, d)).cpu().view(C, r)
         full = predict_target(dp.reference).cpu()
@@ -234,20 +269,34 @@ def select(dp: DPResult, predict: PredictFn, latency: LatencyModel, num_layers: 
     n_attn, n_mlp = skip_counts(dp.skip_sets)
     draft = latency.draft_seconds(num_layers - n_attn, num_layers - n_mlp, n)
     ratio = np.ones(max_draft + 1) if verify_ratio is None else np.asarray(verify_ratio)
-    target = latency.target_seconds(num_layers, n) * ratio[:max_draft + 1]
+    target = latency.target_seconds(num_layers, n) * ratio[: max_draft + 1]
     table = tpt_table(alpha, draft, target, max_draft)
     c, g = np.unravel_index(int(np.argmax(table)), table.shape)  # first max: γ = 0 on ties
     ss = dp.skip_sets[c]
-    return Choice(skip_attn=tuple(s // 2 for s in ss if is_attention(s)),
-                  skip_mlp=tuple(s // 2 for s in ss if not is_attention(s)),
-                  gamma=int(g), alpha=float(alpha[c]), tpt=float(table[c, g]),
-                  weights=latency.weights(n), candidates=C, rows_evaluated=dp.rows_evaluated)
+    return Choice(
+        skip_attn=tuple(s // 2 for s in ss if is_attention(s)),
+        skip_mlp=tuple(s // 2 for s in ss if not is_attention(s)),
+        gamma=int(g),
+        alpha=float(alpha[c]),
+        tpt=float(table[c, g]),
+        weights=latency.weights(n),
+        candidates=C,
+        rows_evaluated=dp.rows_evaluated,
+    )
 
 
-def search(refs: dict[int, torch.Tensor], sublayer: SubLayerFn, predict: PredictFn,
-           latency: LatencyModel, num_layers: int, n: int, max_draft: int, tau: float = 0.5,
-           verify_ratio: Sequence[float] | None = None,
-           predict_target: PredictFn | None = None) -> Choice:
+def search(
+    refs: dict[int, torch.Tensor],
+    sublayer: SubLayerFn,
+    predict: PredictFn,
+    latency: LatencyModel,
+    num_layers: int,
+    n: int,
+    max_draft: int,
+    tau: float = 0.5,
+    verify_ratio: Sequence[float] | None = None,
+    predict_target: PredictFn | None = None,
+) -> Choice:
     """The whole KnapSpec optimisation at context length n: weights, DP, TPT selection."""
     w_attn, w_mlp = latency.weights(n)
     dp = knapsack_dp(refs, sublayer, 2 * num_layers, w_attn, w_mlp, tau)

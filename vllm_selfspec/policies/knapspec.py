@@ -22,6 +22,7 @@ Per request:
 Every decision is a pure function of replicated data (captured hidden states are all-reduced,
 sampled tokens, context lengths) plus rank 0's latency model and step costs, so TP ranks agree.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -49,8 +50,9 @@ class KnapSpecState:
         return sum(h.shape[1] for _, h in self.rounds)
 
 
-def _number(config: dict, key: str, default, lo: float, hi: float, integer: bool,
-            allow_none: bool = False):
+def _number(
+    config: dict, key: str, default, lo: float, hi: float, integer: bool, allow_none: bool = False
+):
     v = config.get(key, default)
     if v is None and allow_none:
         return None
@@ -68,15 +70,18 @@ class KnapSpecPolicy(Policy):
     #: D = 10 (the paper's); 16 prompt rows seed the first search (its cost grows with the rows)
     # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
     # 0.58x vs 0.47x at bs 1, docs/benchmarks.md)
-    common_defaults = {"num_speculative_tokens": 10, "capture_tokens": 16,
-                       "draft_vocab_size": "auto"}
+    common_defaults = {
+        "num_speculative_tokens": 10,
+        "capture_tokens": 16,
+        "draft_vocab_size": "auto",
+    }
     timed = True
     needs_latency = True
 
     @classmethod
     def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
-        _number(config, "interval", 64, 1, 10 ** 9, integer=True)
-        _number(config, "history_rounds", 5, 1, 10 ** 4, integer=True)
+        _number(config, "interval", 64, 1, 10**9, integer=True)
+        _number(config, "history_rounds", 5, 1, 10**4, integer=True)
         _number(config, "tau", 0.5, -1.0, 1.0, integer=False)
         _number(config, "min_confidence", 0.7, 0.0, 1.0, integer=False, allow_none=True)
 
@@ -137,9 +142,17 @@ class KnapSpecPolicy(Policy):
         positions = torch.arange(first, first + hidden.shape[1])
         refs = {2 * layer: hidden[layer] for layer in range(self.model.num_layers + 1)}
         choice = knapsack.search(
-            refs, lambda s, x: model.sublayer(s, x, positions), model.predict, self.latency,
-            self.model.num_layers, state.context_len, self.max_draft_tokens, self.tau,
-            self.verify_ratio(), model.predict_target)
+            refs,
+            lambda s, x: model.sublayer(s, x, positions),
+            model.predict,
+            self.latency,
+            self.model.num_layers,
+            state.context_len,
+            self.max_draft_tokens,
+            self.tau,
+            self.verify_ratio(),
+            model.predict_target,
+        )
         state.choice, state.steps = choice, 0
         if choice.gamma == 0:
             state.decision = self.no_draft
@@ -152,7 +165,12 @@ class KnapSpecPolicy(Policy):
         return state.decision or self.latest or self.no_draft
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "interval": self.interval,
-                "history_rounds": self.history_rounds, "tau": self.tau,
-                "min_confidence": self.min_confidence, "d_max": self.max_draft_tokens,
-                "latency": None if self.latency is None else self.latency.to_dict()}
+        return {
+            "method": self.name,
+            "interval": self.interval,
+            "history_rounds": self.history_rounds,
+            "tau": self.tau,
+            "min_confidence": self.min_confidence,
+            "d_max": self.max_draft_tokens,
+            "latency": None if self.latency is None else self.latency.to_dict(),
+        }

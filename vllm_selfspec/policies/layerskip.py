@@ -6,6 +6,7 @@
   skips (a fixed skip set; with no ``exit_layer`` the draft runs to the last layer);
 * the draft length is the config's ``num_speculative_tokens`` every round.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,14 +34,17 @@ class LayerSkipPolicy(Policy):
         if not isinstance(E, int) or isinstance(E, bool) or not 1 <= E <= L:
             raise ValueError(
                 f"layerskip: exit_layer must be an integer in [1, {L}] for this {L}-layer "
-                f"model (E = {L} is the full model), got {E!r}")
+                f"model (E = {L} is the full model), got {E!r}"
+            )
         for key, lst in (("skip_attn", skip_attn), ("skip_mlp", skip_mlp)):
-            bad = [i for i in lst if not isinstance(i, int) or isinstance(i, bool)
-                   or not 0 <= i < E]
+            bad = [
+                i for i in lst if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < E
+            ]
             if bad:
                 raise ValueError(
                     f"layerskip: {key} must hold 0-based layer indices below exit_layer={E} "
-                    f"(the model has {L} layers), got {bad}")
+                    f"(the model has {L} layers), got {bad}"
+                )
         return LayerPlan.skip(L, skip_attn, skip_mlp, exit_layer=E)
 
     def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
@@ -51,5 +55,8 @@ class LayerSkipPolicy(Policy):
         return self.decision
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.name, "plan": self.decision.plan.describe(),
-                "num_speculative_tokens": self.max_draft_tokens}
+        return {
+            "method": self.name,
+            "plan": self.decision.plan.describe(),
+            "num_speculative_tokens": self.max_draft_tokens,
+        }
