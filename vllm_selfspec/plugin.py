@@ -1,7 +1,8 @@
 """The ``vllm.general_plugins`` entry point: declared, logged patches of vLLM 0.32 classes.
 
 ``register()`` runs once in every vLLM process (front end, engine core/scheduler, workers). It
-applies three patches, each listed in ``PATCHES`` and logged once:
+applies the patches below, each listed in ``PATCHES`` and logged once (the fifth only where
+a selfspec engine config is built):
 
 1. ``EngineArgs.create_engine_config``: when the speculative config names a selfspec method,
    validate it (clear errors before anything starts), turn it into vLLM's ``custom_class``
