@@ -444,7 +444,10 @@ class GoodputController:
         best_rate = n / plain
         depth = max((c.max_tokens for c in scaled if not c.free), default=0)
         for steps in range(depth + 1):
-            choice = self._best_for_depth(scaled, steps, base, plain, v1)
+            # each token must pay for itself by the margin: a token near break-even adds
+            # nothing but the risk of a wrong estimate, wherever the rest of the step stands
+            floor = (1.0 + self.margin) * base / plain
+            choice = self._best_for_depth(scaled, steps, base, plain, v1, floor)
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
@@ -485,12 +488,13 @@ class GoodputController:
         return "free" if all(c.free for c in drafted) else "paid"
 
     @staticmethod
-    def _best_for_depth(cands, steps, base, plain, v1) -> Choice:
+    def _best_for_depth(cands, steps, base, plain, v1, floor: float = 0.0) -> Choice:
         """With ``steps`` draft steps: the best set of draft tokens. Each token costs one verified
         token plus its row in a draft step (unless free); ranked by expected tokens per second of
         cost, the best set is a prefix of that ranking (a request's tokens come in order, since
         its P is non-increasing and its cost per token constant), the one with the highest
-        (tokens / seconds) of the whole step."""
+        (tokens / seconds) of the whole step. A token expected to yield no more than ``floor``
+        tokens per second of its own cost is never drafted, however well the others pay."""
         n = len(cands)
         width = max((c.max_tokens for c in cands), default=0)
         gain = np.zeros((n, max(width, 1)))
@@ -504,7 +508,8 @@ class GoodputController:
             cost[i] = v1 + (0.0 if c.free else c.row_seconds)
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
-        rows, cols = np.nonzero(gain)
+        worth = gain > floor * cost[:, None]
+        rows, cols = np.nonzero(worth & (gain > 0))
         if rows.size == 0:
             return Choice([0] * n, base, plain, plain)
         g = gain[rows, cols]
