@@ -1,0 +1,94 @@
+"""Where a step's time goes: per engine step, the runner's execute_model and sample_tokens
+seconds, and the wall time to the next step (the rest: scheduling, outputs, IPC), by the step's
+scheduled tokens. One engine per call, in this process's engine core, hooks installed in the
+worker with collective_rpc.
+
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 python benchmarks/step_times.py --config none \
+        --prompts passages --num-prompts 8 --batch-size 1 --max-tokens 64
+    ... --config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                   "prompt_lookup_min": 2}'
+    ... --config '{"method": "auto"}'
+
+Prints, per scheduled-token count, the steps and the median gap / execute / sample / rest in
+ms. Compare engines run back to back only by the same token count, and mind the machine's
+drift (here: the same plain step at 62 and 84 ms a minute apart): a marginal verified token's
+cost is the difference between token counts *within* one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _hook(worker) -> None:
+    import time as _t
+
+    runner = worker.model_runner
+    runner._step_log = []
+    execute, sample = runner.execute_model, runner.sample_tokens
+
+    def execute_model(scheduler_output, *a, **k):
+        t = _t.perf_counter()
+        out = execute(scheduler_output, *a, **k)
+        n = scheduler_output.total_num_scheduled_tokens
+        runner._step_log.append([t, n, _t.perf_counter() - t, 0.0])
+        return out
+
+    def sample_tokens(*a, **k):
+        t = _t.perf_counter()
+        out = sample(*a, **k)
+        if runner._step_log:
+            runner._step_log[-1][3] = _t.perf_counter() - t
+        return out
+
+    runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+
+
+def _read(worker) -> list:
+    return worker.model_runner._step_log
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="none", help='speculative config JSON, or "none"')
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompts", default="passages")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=64)
+    args = p.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_selfspec.bench import ENGINE_ARGS
+    from vllm_selfspec.models import resolve_model
+    from vllm_selfspec.prompts import load_prompts
+
+    model = resolve_model(args.model)
+    cfg = None if args.config == "none" else json.loads(args.config)
+    prompts = load_prompts(args.prompts, args.num_prompts, model)
+    llm = LLM(model=model, max_num_seqs=args.batch_size, speculative_config=cfg, **ENGINE_ARGS)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    llm.collective_rpc(_hook)
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    log = llm.collective_rpc(_read)[0]
+    print(f"{args.config}: {wall:.1f} s, {len(log)} steps")
+    by_tokens: dict[int, list] = {}
+    for (t, n, ex, sa), nxt in zip(log, log[1:]):
+        by_tokens.setdefault(n, []).append((nxt[0] - t, ex, sa))
+    for n in sorted(by_tokens):
+        rows = by_tokens[n]
+        gap, ex, sa = (statistics.median(r[i] for r in rows) * 1e3 for i in range(3))
+        print(
+            f"  {n:4d} tokens: {len(rows):4d} steps, gap {gap:6.1f} ms = execute {ex:6.1f}"
+            f" + sample {sa:5.1f} + rest {gap - ex - sa:5.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
