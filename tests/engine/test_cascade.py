@@ -16,7 +16,7 @@ import torch
 from vllm import SamplingParams
 
 import vllm_selfspec
-from selfspec_testing import engine, token_ids
+from selfspec_testing import engine, save_passthrough_top, token_ids
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
@@ -27,6 +27,14 @@ PROMPTS = [
     "import numpy as np\n\ndef normalise(x):",
 ]
 K = 3
+
+
+@pytest.fixture(scope="module")
+def model_path(model_path, tmp_path_factory):
+    """The embedded model with layers 24-29 passing the residual stream through: exit 24 then
+    names the model's own next token, so the drafter's parity test has drafts accepted (untrained
+    adapters at exit 12 rarely agree with the final layer)."""
+    return save_passthrough_top(model_path, tmp_path_factory.mktemp("cascade-model"), keep=24)
 
 
 @pytest.fixture(scope="module")
