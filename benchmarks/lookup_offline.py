@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-MODEL_DEFAULT = None  # the embedded model
-
 
 def greedy_outputs(model: str, prompt_set: str, num: int, max_tokens: int):
     import torch
@@ -111,7 +109,7 @@ def main() -> None:
     from vllm_selfspec.models import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=MODEL_DEFAULT)
+    p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     p.add_argument("--prompts", default="chat,passages,humaneval")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -5,17 +5,12 @@ from __future__ import annotations
 import contextlib
 import gc
 
-#: the engine settings every parity comparison shares (vanilla and self-spec alike)
-#: the KV cache is sized in bytes, not as a share of the free memory, so test engines start on
-#: any machine the README's requirements cover (1 GiB: ~22k tokens of the embedded model)
-ENGINE_KW = dict(
-    dtype="float32",
-    enforce_eager=True,
-    max_model_len=2048,
-    kv_cache_memory_bytes=1 << 30,
-    seed=0,
-    disable_log_stats=False,
-)
+from vllm_selfspec.bench import ENGINE_ARGS
+
+#: the engine settings every parity comparison shares (vanilla and self-spec alike): the bench's,
+#: with a 1 GiB KV cache (sized in bytes, so test engines start on any machine the README's
+#: requirements cover; ~22k tokens of the embedded model)
+ENGINE_KW = {**ENGINE_ARGS, "kv_cache_memory_bytes": 1 << 30}
 
 
 @contextlib.contextmanager
