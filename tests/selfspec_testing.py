@@ -42,27 +42,37 @@ def greedy_one_by_one_and_together(llm, prompts, max_tokens: int) -> dict[str, l
     return {"bs1": bs1, "bs8": bs8}
 
 
-def save_tiny_llama(path, vocab: int, lm_head_scale: float = 1.0) -> str:
-    """A seeded random-weight 4-layer Llama (4 heads / 2 KV heads, hidden 128) saved at ``path``,
-    with scaled-up embeddings (and LM head) so its distributions are peaked."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: transformers' config and model class names of each family ``save_tiny_model`` builds
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # biased q/k/v projections
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # q/k RMSNorms inside attention
+}
 
+
+def save_tiny_model(path, vocab: int, family: str = "llama", lm_head_scale: float = 1.0) -> str:
+    """A seeded random-weight 4-layer model of ``family`` (4 heads / 2 KV heads, hidden 128)
+    saved at ``path``, with scaled-up embeddings (and LM head) so its distributions are peaked."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in TINY_FAMILIES[family])
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    cfg = config_cls(
         vocab_size=vocab,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=32,
         max_position_embeddings=256,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=0,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(lm_head_scale)
         model.model.embed_tokens.weight.mul_(30.0)

@@ -6,6 +6,8 @@ or ``vllm serve MODEL --speculative-config selfspec.json``. The plugin registers
 ``vllm.general_plugins`` entry point (``vllm_selfspec.plugin:register``).
 """
 
+# the engine's modules are imported inside functions: the plugin entry point (in every vLLM
+# process) and the CLI import this package, which keeps its own import free
 from __future__ import annotations
 
 __version__ = "0.1.0"

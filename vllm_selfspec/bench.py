@@ -10,14 +10,16 @@ repeats are *interleaved*: a repeat runs the prompts in slices of twice the batc
 by vanilla, then by each method of the group (with a pause between runs so an idle engine's
 polling has stopped). A method's speedup is the median over repeats of its tokens/s over
 vanilla's tokens/s of the same repeat, so a machine whose speed drifts within seconds to minutes
-(seen here: the same plain step at 62 and at 84 ms a minute apart, neighbours on a shared host)
-moves both alike. Writes
+(docs/benchmarks.md, "The machine's speed drifts, fast") moves both alike. Writes
 ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
 ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
 
 from __future__ import annotations
 
+# vLLM, torch, transformers, matplotlib, selfspec's config (its policies import torch) and compat
+# (importlib.metadata) are imported inside functions: the CLI, the load test and the tests import
+# this module for its arguments and engine settings, and only a method's worker process runs vLLM
 import argparse
 import json
 import os
@@ -30,6 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from . import forget_outputs, get_stats, quality
+from .models import resolve_model
+from .prompts import load_prompts
 
 #: method name -> speculative config (None: no speculation).
 #: Any other selfspec method (config.methods(): the policies and "auto") gets {"method": name}.
@@ -44,7 +50,7 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md)
     "layerskip": {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 1},
 }
-#: engine settings shared by every method
+#: engine settings shared by every method (the load test's and the engine tests' derive from them)
 #: the KV cache is sized in bytes (2 GiB: ~44k tokens of the embedded model), not as a share of
 #: the free memory, so a group of engines fits in memory at once
 ENGINE_ARGS = dict(
@@ -179,7 +185,6 @@ def _worker(spec_path: str) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from . import forget_outputs, get_stats
     from .config import methods as selfspec_methods
 
     cfg, prompts = spec["config"], spec["prompts"]
@@ -538,9 +543,6 @@ def _command_line() -> str:
 def main(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
-    from .models import resolve_model
-    from .prompts import load_prompts
-
     try:
         configs = method_configs(args.methods, args.method_config)
         for flag in ("num_prompts", "max_tokens", "batch_size", "repeats", "group_size"):
@@ -593,12 +595,12 @@ def main(args: argparse.Namespace) -> int:
     layers = layer_table(methods)
     if layers:
         table += "\n\nAdaDecode (early predictions, deferred layers):\n\n" + layers
-    quality = None
+    scored = None
     if getattr(args, "quality", False):
-        quality = _quality(args, model, raw, methods, out)
-        table += "\n\nQuality against vanilla:\n\n" + quality.pop("table")
+        scored = _quality(args, model, raw, methods, out)
+        table += "\n\nQuality against vanilla:\n\n" + scored.pop("table")
     (out / "results.json").write_text(
-        json.dumps({"settings": settings, "methods": methods, "quality": quality}, indent=2),
+        json.dumps({"settings": settings, "methods": methods, "quality": scored}, indent=2),
         encoding="utf-8",
     )
     settings_line = (
@@ -616,7 +618,7 @@ def main(args: argparse.Namespace) -> int:
     plot_speedup(methods, out / "speedup.png")
     print(
         f"\n{settings_line}\n\n{table}\n\nwrote {out}/results.json, results.md, speedup.png"
-        + (", quality.png" if quality is not None else "")
+        + (", quality.png" if scored is not None else "")
     )
     return 0
 
@@ -624,16 +626,14 @@ def main(args: argparse.Namespace) -> int:
 def _quality(args, model: str, raw: dict, methods: dict, out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from . import quality as q
-
     tok = AutoTokenizer.from_pretrained(model)
     ids = {n: raw[n]["token_ids"] for n in methods}
     texts = {n: tok.batch_decode(v, skip_special_tokens=True) for n, v in ids.items()}
     he = args.prompts in ("humaneval", "humaneval-chat")
-    problems = q.humaneval_problems(len(ids["vanilla"])) if he else None
-    scores = q.quality(ids, texts, problems, chat=args.prompts == "humaneval-chat")
-    q.plot_quality(scores, methods, out / "quality.png")
-    return {"scores": scores, "texts": texts, "table": q.markdown_table(scores, methods)}
+    problems = quality.humaneval_problems(len(ids["vanilla"])) if he else None
+    scores = quality.quality(ids, texts, problems, chat=args.prompts == "humaneval-chat")
+    quality.plot_quality(scores, methods, out / "quality.png")
+    return {"scores": scores, "texts": texts, "table": quality.markdown_table(scores, methods)}
 
 
 def _cli(argv: list[str]) -> int:

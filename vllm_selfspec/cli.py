@@ -3,20 +3,24 @@ eval-heads."""
 
 from __future__ import annotations
 
+# torch and the modules that import it (heads, vocab) are imported inside the commands that use
+# them: `vllm-selfspec --help` and the other commands start without it
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from . import bench
+from .demo import run_demo
+from .models import prepare_embedded_model, resolve_model
 
 
 def _prepare_model(args) -> int:
-    from .models import prepare_embedded_model
-
     print(prepare_embedded_model(force=args.force))
     return 0
 
 
 def _build_vocab(args) -> int:
-    from .models import resolve_model
     from .vocab import DEFAULT_SOURCES, build_vocab, cached_vocab, coverage
 
     model = resolve_model(args.model)
@@ -42,8 +46,6 @@ def _build_vocab(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
-
     config = json.loads(args.config) if args.config else None
     return run_demo(model=args.model, speculative_config=config, max_tokens=args.max_tokens)
 
@@ -88,8 +90,6 @@ def _train_heads(args) -> int:
 
 
 def _eval_heads(args) -> int:
-    from pathlib import Path
-
     import torch
 
     from .heads.evaluate import evaluate_heads
@@ -158,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=_demo)
-
-    from . import bench
 
     p = sub.add_parser("bench", help="benchmark vanilla and methods on the same prompts")
     bench.add_arguments(p)

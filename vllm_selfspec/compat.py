@@ -7,7 +7,8 @@ what is defined here) is what changes. The list, with what each is used for:
 internal (vLLM 0.32)                                    used for
 =====================================================  ==============================================
 ``EngineArgs.create_engine_config``                     translate a selfspec config (plugin.py patch)
-``EngineArgs.add_cli_args`` / ``--speculative-config``  accept a JSON file path there (plugin.py patch)
+``EngineArgs.add_cli_args``                             ``--speculative-config`` accepts a JSON file
+                                                        path (plugin.py patch)
 ``VllmConfig.num_lookahead_tokens`` (property)          scheduler reserves KV slots for draft positions
 ``SpeculativeConfig`` ``method="custom_class"``         the drafter slot (``speculative_config.model``)
 V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/worker.py):
@@ -31,9 +32,12 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   layers, norm}``, ``layer.{input_layernorm,
   self_attn, post_attention_layernorm, mlp}``,
   ``self_attn.attn.layer_name``, ``compute_logits``
-``EagleModelMixin.set_aux_hidden_state_layers``         hidden-state capture in verification
-``get_tp_group().broadcast_object``                     rank 0's measured step costs to every rank
-``get_tensor_model_parallel_rank``, ``embed_tokens``    trained heads' model fingerprint (rank 0)
+``SupportsEagle3.set_aux_hidden_state_layers``          hidden-state capture in verification
+  (Llama's, through ``EagleModelMixin``)
+``get_tp_group().broadcast_object``                     rank 0's step costs, controller choices,
+                                                        feedback flags and KnapSpec latency model
+``get_tensor_model_parallel_rank``, ``embed_tokens``    the heads'/draft vocabulary's model
+                                                        fingerprint, the latency cache (rank 0)
 ``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
@@ -42,16 +46,91 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   scheduled_spec_decode_tokens}``,                       verification outcomes; context lookup's
   ``input_batch.num_prompt_tokens``,                      shared index (outputs only) and its
   ``sampling_metadata.{all_greedy, temperature}``         point-mass q for sampled requests
-``GPUModelRunner._model_forward``, ``query_start_loc``,  AdaDecode's finishing pass replaces the
+``GPUModelRunner._model_forward``,                      AdaDecode's finishing pass replaces the
+  ``query_start_loc.np``,
   ``input_batch.{num_reqs, num_computed_tokens_cpu,       target forward (engine/adadecode.py)
   num_prompt_tokens}``, ``get_forward_context()
   .slot_mapping`` / ``.attn_metadata[...].slot_mapping``
+``create_custom_proposer`` contract: the class          vLLM builds and loads our drafter; the mixin
+  from ``speculative_config.model`` built as            and worker find it (proposer.py, worker.py)
+  ``cls(vllm_config)``, must have ``propose``; its
+  ``load_model(model)`` called by the runner's
+  ``load_model``; kept as ``runner.drafter``
+``Worker.model_runner``,                                the runner whose class is swapped; refuse the
+  ``Worker.use_v2_model_runner``                        V2 runner (engine/worker.py)
+``runner.rejection_sampler`` (called as                 Cascade lossy mode: wrapped so every draft
+  ``(metadata, draft_probs, logits,                     is accepted (worker.UnverifiedAcceptance)
+  sampling_metadata)``), ``SpecDecodeMetadata
+  .{draft_token_ids, target_logits_indices}``
+``runner.device``                                       device of draft tensors, q rows and the
+                                                        drafter's metadata builders
+``input_batch.block_table[0].{get_device_tensor(n),     block tables and KV slots of draft rows
+  block_size}``; slot = ``block_id * block_size         (proposer, adadecode, knapsack_forward)
+  + pos % block_size``
+``propose_draft_token_ids`` arguments:                  verification feedback: accepted counts and
+  ``sampled_token_ids`` (``list[list[int]]``),          the verified rows' hidden states
+  ``aux_hidden_states`` (one ``[tokens, d]`` per        (proposer._capture)
+  capture layer, sorted; layer l = stream after
+  l layers), ``common_attn_metadata
+  .query_start_loc_cpu``
+``runner.attn_groups[0]``: ``AttentionGroup(            the drafter's own builders for KV-cache group
+  backend, layer_names, kv_cache_spec,                  0 (proposer._draft_attn_groups)
+  kv_cache_group_id)``, ``.kernel_block_size``,
+  ``.layer_names``
+``set_forward_context(..., slot_mapping={})``:          KnapSpec's read-only attention: nothing
+  ``unified_kv_cache_update`` skips layers absent       written (engine/knapsack_forward.py)
+  from the dict; ``PAD_SLOT_ID`` (-1) slots
+``LlamaDecoderLayer(positions, h, residual)`` ->        partial forward in vLLM's fused (pending,
+  ``(h, residual)``; ``self_attn(positions=,            residual) form (executor, adadecode,
+  hidden_states=)``; ``mlp(x)``; ``RMSNorm(x)`` /       knapsack_forward)
+  ``RMSNorm(x, residual)`` -> ``(x, residual)``
+``RMSNorm.{weight, variance_epsilon}`` (final           fused LM-head argmax of shadow tokens; model
+  ``norm``), ``lm_head.weight``                         fingerprint; heads' dtype/device; hidden size
+``model.model.{start_layer, end_layer}``,               refuse a pipeline split; draft-vocabulary
+  ``shard_indices.org_vocab_{start,end}_index``,        LM-head rows and their logit scale/soft cap
+  ``logits_processor.{scale, soft_cap}``
+``_model_forward`` returns the final-normed             AdaDecode's finishing pass returns the same
+  hidden states ``[N, d]`` (no aux tuple)               (engine/adadecode.py)
+``VllmConfig.additional_config["selfspec"]``            the selfspec options: written by plugin.py,
+                                                        read by the proposer and metrics.py
+``speculative_config.{method, model,                    is it selfspec; k (proposer, lookahead
+  num_speculative_tokens}``                             patch, metrics' draft-length buckets)
+``model_config.{hf_config, hf_text_config,              ModelInfo; draft room; sampling seed;
+  max_model_len, seed, model, dtype,                    latency-cache key; eager check; metric labels
+  enforce_eager, served_model_name}``
+``parallel_config.{tensor_parallel_size,                TP syncs and the fused shadow path; refuse
+  pipeline_parallel_size}``,                            pipeline parallelism and KV connectors
+  ``VllmConfig.kv_transfer_config``
+``EngineArgs.{speculative_config, worker_cls,           the config translation (plugin.py patch 1)
+  additional_config, pipeline_parallel_size,
+  kv_transfer_config}``
+``SpeculativeConfig.method``'s ``Literal``              vLLM's own method names, for the unknown-
+  (``__dataclass_fields__["method"].type``)             method error (plugin.py)
+``rejection_sampler.expand_batch_to_tokens``            the CPU bug fix (plugin.py patch 4)
+``current_platform.is_cpu()``                           worker class, CPU GEMM, patch 4 on CPU only,
+                                                        AdaDecode's enforce_eager check
+``get_tp_group().world_size``,                          no collective without TP; calling vLLM's
+  ``dispatch_cpu_unquantized_gemm``'s                   CPU GEMM
+  ``layer.cpu_linear(x, weight, bias)``
+``collective_rpc(name)`` runs ``getattr(worker,         the workers' ``selfspec_stats`` and
+  name)`` (``run_method``) on every worker              ``selfspec_forget_outputs`` (worker.py)
+vLLM's ``/metrics`` serves ``prometheus_client``'s      where metrics.py registers its collector
+  default ``REGISTRY`` (one API server)
 =====================================================  ==============================================
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import typing
+
+import torch
+
+from .policies import ModelInfo
+
+# vLLM itself is imported inside the functions below, never at module level: the plugin entry
+# point imports this module while vLLM is still loading its plugins, and check_vllm_version()
+# must be able to refuse an unsupported vLLM before any of its internals is touched.
 
 SUPPORTED_VLLM = "0.32"
 #: speculative_config.model of the drafter vLLM instantiates for a selfspec method
@@ -103,6 +182,27 @@ def base_worker_class():
     return Worker
 
 
+def engine_args_class():
+    """vLLM's EngineArgs (its ``create_engine_config`` and ``add_cli_args`` are patched)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs
+
+
+def vllm_config_class():
+    """vLLM's VllmConfig (its ``num_lookahead_tokens`` property is patched)."""
+    from vllm.config import VllmConfig
+
+    return VllmConfig
+
+
+def rejection_sampler_module():
+    """vLLM's V1 rejection sampler module (its ``expand_batch_to_tokens`` is patched on CPU)."""
+    from vllm.v1.sample import rejection_sampler
+
+    return rejection_sampler
+
+
 def async_llm_class():
     """vLLM's V1 front-end engine of the OpenAI server (its ``collective_rpc`` reaches the
     workers)."""
@@ -113,8 +213,6 @@ def async_llm_class():
 
 def vllm_spec_methods() -> list[str]:
     """The speculative methods vLLM itself accepts (its pydantic Literal)."""
-    import typing
-
     from vllm.config.speculative import SpeculativeConfig
 
     ann = SpeculativeConfig.__dataclass_fields__["method"].type
@@ -138,8 +236,6 @@ def model_info(vllm_config):
 def model_info_from_hf(text_config, config=None):
     """ModelInfo from an HF config (``config`` holds ``architectures`` when it is not the text
     config itself, as for multimodal wrappers)."""
-    from .policies import ModelInfo
-
     archs = getattr(config or text_config, "architectures", None) or ["?"]
     return ModelInfo(
         num_layers=text_config.num_hidden_layers,
@@ -168,7 +264,6 @@ def linear(weight):
     """``x -> x @ weight.T`` with the GEMM vLLM itself uses for unquantized layers: on CPU its
     oneDNN kernel with a prepacked weight (2-3x faster than ``F.linear`` for 2-16 rows here),
     elsewhere ``F.linear``."""
-    import torch
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -219,7 +314,9 @@ def selfspec_options(vllm_config) -> dict | None:
 
 
 class LlamaLayout:
-    """Access to a vLLM Llama-family model's pieces for the partial forward."""
+    """Access to the pieces of a vLLM model in the Llama decoder-layer form, for the partial
+    forward: Llama, Mistral, Qwen2 and Qwen3 (``config.SUPPORTED_ARCHITECTURES``), whose
+    differences (attention biases, q/k norms) stay inside ``self_attn``."""
 
     def __init__(self, model) -> None:
         inner = getattr(model, "model", None)
@@ -240,6 +337,11 @@ class LlamaLayout:
                         f"selfspec: decoder layer {i} of {type(model).__name__} "
                         f"has no {n}; unsupported layer layout"
                     )
+            if getattr(layer, "ada_rms_norm_t_cond", None) is not None:  # Mistral's audio models
+                raise RuntimeError(
+                    f"selfspec: decoder layer {i} of {type(model).__name__} conditions its MLP "
+                    f"input (ada_rms_norm_t_cond), which the partial forward does not run"
+                )
         if getattr(inner, "start_layer", 0) != 0 or getattr(
             inner, "end_layer", len(inner.layers)
         ) != len(inner.layers):
@@ -260,7 +362,6 @@ class LlamaLayout:
     def lm_head_rows(self, ids):
         """Rows ``ids`` of the LM-head weight [len(ids), d], replicated on every TP rank (vLLM's
         head is sharded by vocabulary: each rank fills the rows it owns, then an all-reduce)."""
-        import torch
         from vllm.distributed import get_tp_group
 
         head = self.model.lm_head

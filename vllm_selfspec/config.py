@@ -29,8 +29,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .heads.embedded import cached_heads
+from .heads.io import read_config as read_heads_config
 from .lookup import check_options as check_lookup
 from .policies import POLICIES, ModelInfo
+from .vocab import cached_vocab, default_vocab_dir
+from .vocab import read_config as read_vocab_config
 
 #: config keys shared by every method, with defaults
 COMMON_OPTIONS: dict[str, Any] = {
@@ -57,15 +61,37 @@ def methods() -> list[str]:
     return [*POLICIES, AUTO]
 
 
-#: architectures whose decoder layers the engine knows how to split (vLLM's Llama layer layout)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+#: architectures whose decoder layers the engine knows how to split: vLLM's Llama layer form
+#: (``compat.LlamaLayout``); Qwen2's biased projections and Qwen3's q/k norms live inside
+#: attention (tests/engine/test_families.py)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+#: the kinds of trained heads a method drafts through (``Policy.head_kind``), as errors name them
+HEAD_KINDS = {
+    "adadecode": "AdaDecode heads (intermediate LM heads)",
+    "cascade": "cascade heads (adapters with confidence estimators)",
+}
+
+
+#: logged wherever a lossy config is served (the front end and every worker)
+LOSSY_WARNING = (
+    'vllm-selfspec: LOSSY MODE (cascade "lossy": true): draft tokens whose exit is confident '
+    "are emitted WITHOUT verification by the full model, so outputs DIFFER from the model's own "
+    '(greedy included). Unverified tokens are counted in get_stats()["unverified_tokens"] '
+    'and the vllm:selfspec_unverified_tokens_total metric. Remove "lossy" for exact outputs.'
+)
 
 
 class SelfSpecConfigError(ValueError):
     """A selfspec config that cannot be served. Raised before the engine starts."""
 
 
-def _read(spec: Any) -> dict[str, Any]:
+def read_spec(spec: Any) -> dict[str, Any]:
+    """A speculative config given as a dict, JSON text or a JSON file path, as a dict."""
     if isinstance(spec, Mapping):
         return dict(spec)
     if isinstance(spec, (str, os.PathLike)):
@@ -94,10 +120,20 @@ def _read(spec: Any) -> dict[str, Any]:
     )
 
 
+def train_hint(kind: str, model_path: str | None = None) -> str:
+    """How to get heads of ``kind`` (ends every heads error)."""
+    model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
+    return (
+        f"train them once with `vllm-selfspec train-heads --kind {kind}{model}` "
+        f"(15-20 minutes on a 2-core CPU for the embedded model), then pass "
+        f'"heads": HEADS_DIR or leave "heads": "auto" for the embedded model'
+    )
+
+
 def peek_method(spec: Any) -> str | None:
     """The ``method`` of a speculative config given in any accepted form (None if unreadable)."""
     try:
-        m = _read(spec).get("method")
+        m = read_spec(spec).get("method")
     except SelfSpecConfigError:
         return None
     return m if isinstance(m, str) else None
@@ -112,8 +148,6 @@ def auto_method(model_path: str) -> tuple[str, dict[str, Any]]:
     measured strongest on the embedded model among those this model has what they need for
     (docs/benchmarks.md): Cascade with its trained adapters; else DEL through trained AdaDecode
     heads; else, training-free, LayerSkip exiting two layers before the top (LS(E-γ)'s best)."""
-    from .models import cached_heads
-
     if cached_heads(model_path, "cascade") is not None:
         return "cascade", {}
     if cached_heads(model_path, "adadecode") is not None:
@@ -137,7 +171,7 @@ class SelfSpecConfig:
 
     @classmethod
     def load(cls, spec: Any) -> SelfSpecConfig:
-        raw = _read(spec)
+        raw = read_spec(spec)
         method = raw.pop("method", None)
         if method not in methods():
             raise SelfSpecConfigError(
@@ -235,15 +269,45 @@ class SelfSpecConfig:
         if self.method == AUTO:  # the concrete method is validated once resolved
             return
         try:
-            POLICIES[self.method].validate(self.options, model)
+            POLICIES[self.method].validate(self.options, model, self._heads_config(model))
         except ValueError as e:
             raise SelfSpecConfigError(str(e)) from e
         if self.draft_vocab_size not in (None, "auto"):
             self._validate_draft_vocab(model)
 
-    def _validate_draft_vocab(self, model: ModelInfo) -> None:
-        from .vocab import DraftVocabError, read_config
+    def _heads_config(self, model: ModelInfo) -> dict[str, Any] | None:
+        """The config.json of the trained heads the method drafts through, checked to be of its
+        kind and built for ``model``; None when it has none (or ``heads`` is still "auto")."""
+        method, policy = self.method, POLICIES[self.method]
+        kind = policy.head_kind
+        if kind is None:
+            return None
+        heads = self.options["heads"]
+        if heads == "auto" or (heads == "none" and policy.heads_optional):
+            return None
+        if not isinstance(heads, str) or not heads:
+            allowed = '"auto", "none"' if policy.heads_optional else '"auto"'
+            raise SelfSpecConfigError(
+                f"{method}: heads must be {allowed} or a head directory, got {heads!r}"
+            )
+        try:
+            found = read_heads_config(heads)
+        except ValueError as e:
+            raise SelfSpecConfigError(f"{method}: heads: {e}; {train_hint(kind)}") from e
+        if found.get("kind") != kind:
+            raise SelfSpecConfigError(
+                f"{method}: the heads in {heads} are of kind {found.get('kind')!r}; "
+                f"{method} needs {HEAD_KINDS[kind]}: {train_hint(kind)}"
+            )
+        try:
+            model.check_built_for(
+                found["base_model"], f"{method}: the heads in {heads} were trained"
+            )
+        except ValueError as e:
+            raise SelfSpecConfigError(str(e)) from e
+        return found
 
+    def _validate_draft_vocab(self, model: ModelInfo) -> None:
         n, path = self.draft_vocab_size, self.draft_vocab
         if n > model.vocab_size:
             raise SelfSpecConfigError(
@@ -252,15 +316,11 @@ class SelfSpecConfig:
         if path == "auto":  # resolved() finds the map (or says how to build it)
             return
         try:
-            base = read_config(path)["base_model"]
-        except DraftVocabError as e:
+            model.check_built_for(
+                read_vocab_config(path)["base_model"], f"the map in {path} was built"
+            )
+        except ValueError as e:  # a DraftVocabError too
             raise SelfSpecConfigError(f"draft_vocab: {e}") from e
-        for key in ("num_layers", "hidden_size", "vocab_size"):
-            if base[key] != getattr(model, key):
-                raise SelfSpecConfigError(
-                    f"draft_vocab: the map in {path} was built for a model with {key}="
-                    f"{base[key]}, this model has {getattr(model, key)}"
-                )
 
     def resolved(self, model_path: str) -> SelfSpecConfig:
         """Machine-dependent defaults made concrete once, in the front end ("auto" paths, and
@@ -279,14 +339,9 @@ class SelfSpecConfig:
                     "lookup": self.lookup or False,
                 }
             ).resolved(model_path)
-        try:
-            options = POLICIES[self.method].resolve(dict(self.options), model_path)
-        except ValueError as e:
-            raise SelfSpecConfigError(str(e)) from e
+        options = self._resolved_heads(model_path)
         n, vocab = self.draft_vocab_size, self.draft_vocab
         if n is not None and vocab == "auto":
-            from .vocab import cached_vocab, default_vocab_dir
-
             found = cached_vocab(model_path)
             if found is None and n == "auto":  # no map: the full vocabulary, as asked
                 n = None
@@ -312,5 +367,22 @@ class SelfSpecConfig:
             self.lookup,
         )
 
+    def _resolved_heads(self, model_path: str) -> dict[str, Any]:
+        """The options with ``heads: "auto"`` made the model's cached heads of the method's kind;
+        none cached: "none" where the method runs without them, else a clear error."""
+        policy = POLICIES[self.method]
+        if policy.head_kind is None or self.options["heads"] != "auto":
+            return self.options
+        found = cached_heads(model_path, policy.head_kind)
+        if found is None and not policy.heads_optional:
+            raise SelfSpecConfigError(
+                f"{self.method}: no trained {HEAD_KINDS[policy.head_kind]} are cached for the "
+                f"model {model_path}; {train_hint(policy.head_kind, model_path)}"
+            )
+        return {**self.options, "heads": "none" if found is None else str(found)}
+
     def make_policy(self, model: ModelInfo):
-        return POLICIES[self.method](self.options, model, self.num_speculative_tokens)
+        """The method's policy for ``model``, with its trained heads' config.json (``heads``)."""
+        return POLICIES[self.method](
+            self.options, model, self.num_speculative_tokens, self._heads_config(model)
+        )

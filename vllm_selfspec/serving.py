@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -142,8 +144,6 @@ class Server:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and every process it started (engine core, workers)."""
-        import psutil
-
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]

@@ -21,6 +21,7 @@ vocabularies give lower ids to earlier (more frequent) merges. On disk, in the h
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -29,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from .heads.identity import ModelIdentity
+from .heads.identity import CONFIG_FILE, ModelIdentity, identity_from_tensors, read_saved_config
+from .models import home
 
 FORMAT = "vllm-selfspec-draft-vocab"
 VERSION = 1
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "vocab.safetensors"
 DEFAULT_SOURCES = "pydoc,topics"
 #: the "topics" source: everyday requests on these subjects (none is a benchmark prompt)
@@ -110,7 +113,6 @@ def save_vocab(
     out: str | Path, counts: torch.Tensor, identity: ModelIdentity, corpus: dict[str, Any]
 ) -> Path:
     """Write the map atomically (a temp dir renamed over ``out``)."""
-    from safetensors.torch import save_file
 
     out = Path(out)
     if counts.numel() != identity.vocab_size:
@@ -140,22 +142,13 @@ def save_vocab(
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    f = Path(path) / CONFIG_FILE
-    if not f.is_file():
-        raise DraftVocabError(f"{path} is not a draft-vocabulary directory: no {CONFIG_FILE}")
-    config = json.loads(f.read_text())
-    if config.get("format") != FORMAT or config.get("version") != VERSION:
-        raise DraftVocabError(
-            f"{f}: expected format {FORMAT!r} version {VERSION}, got "
-            f"{config.get('format')!r} version {config.get('version')!r}"
-        )
-    return config
+    """config.json of a draft-vocabulary directory, checked for format and version."""
+    return read_saved_config(path, "draft-vocabulary", FORMAT, VERSION, DraftVocabError)
 
 
 def load_vocab(path: str | Path, size: int, *, expect: ModelIdentity | None) -> torch.Tensor:
     """The ``size`` most frequent token ids [size] int64 (in rank order). ``expect``: the model
     at hand; a map built for another model raises ``HeadsMismatchError``."""
-    from safetensors.torch import load_file
 
     config = read_config(path)
     identity = ModelIdentity.from_dict(config["base_model"])
@@ -172,7 +165,6 @@ def load_vocab(path: str | Path, size: int, *, expect: ModelIdentity | None) -> 
 
 def coverage(path: str | Path, sizes: list[int]) -> dict[int, float]:
     """Share of the corpus tokens the top-N tokens cover, per N."""
-    from safetensors.torch import load_file
 
     counts = load_file(str(Path(path) / WEIGHTS_FILE))["counts"].double()
     total = float(counts.sum()) or 1.0
@@ -182,10 +174,6 @@ def coverage(path: str | Path, sizes: list[int]) -> dict[int, float]:
 # ----------------------------------------------------------------------------- where maps live
 def default_vocab_dir(model_path: str | Path) -> Path:
     """``$VLLM_SELFSPEC_HOME/vocab/<model dir name>-<hash of its resolved path>``."""
-    import hashlib
-
-    from .models import home
-
     p = Path(model_path).resolve()
     key = hashlib.sha256(str(p).encode()).hexdigest()[:10]
     return home() / "vocab" / f"{p.name}-{key}"
@@ -199,10 +187,6 @@ def cached_vocab(model_path: str | Path) -> Path | None:
 def identity_from_checkpoint(model_path: str | Path) -> ModelIdentity:
     """The model identity (heads.identity) from an HF checkpoint's config and safetensors,
     reading only the two fingerprinted tensors."""
-    from safetensors import safe_open
-
-    from .heads.identity import identity_from_tensors
-
     root = Path(model_path)
     cfg = json.loads((root / "config.json").read_text())
     text = cfg.get("text_config", cfg)
@@ -240,6 +224,8 @@ def build_vocab(
 ) -> Path:
     """Count the model's own greedy generations (vanilla vLLM) on ``sources`` and save the map.
     Call from a ``__main__``-guarded program (vLLM starts worker processes)."""
+    # build-vocab only: vLLM (and the corpus tools) load when a map is built, not when a config
+    # that names one is checked
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

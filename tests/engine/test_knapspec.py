@@ -17,7 +17,7 @@ import vllm_selfspec
 from selfspec_testing import engine, token_ids
 from vllm_selfspec import policies
 from vllm_selfspec.config import SelfSpecConfigError
-from vllm_selfspec.engine import knapsack_forward
+from vllm_selfspec.engine import proposer as proposer_module
 from vllm_selfspec.policies.knapsack import LatencyModel
 from vllm_selfspec.policies.knapspec import KnapSpecPolicy
 
@@ -59,7 +59,7 @@ def in_process(monkeypatch):
 def test_greedy_parity_with_vanilla(model_path, in_process, monkeypatch):
     with engine(model_path, **SETTINGS) as llm:
         want = _run(llm)
-    monkeypatch.setattr(knapsack_forward, "latency_model", lambda proposer: CHEAP_DRAFTS)
+    monkeypatch.setattr(proposer_module, "latency_model", lambda proposer: CHEAP_DRAFTS)
     cfg = {"method": "knapspec", "interval": 8, "num_speculative_tokens": 4}
     with engine(model_path, speculative_config=cfg, **SETTINGS) as llm:
         got = _run(llm)

@@ -22,7 +22,7 @@ from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
 import vllm_selfspec
-from selfspec_testing import engine, save_built_heads, save_tiny_llama
+from selfspec_testing import engine, save_built_heads, save_tiny_model
 from vllm_selfspec.engine.proposer import SelfSpecProposer
 
 pytestmark = pytest.mark.engine
@@ -36,7 +36,7 @@ KW = dict(skip_tokenizer_init=True, max_model_len=256, max_num_seqs=64)
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     # peaked, position-dependent distributions
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), VOCAB, lm_head_scale=60.0)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), VOCAB, lm_head_scale=60.0)
 
 
 def _sample(llm, temperature: float = 1.0) -> tuple[np.ndarray, list[list[int]]]:

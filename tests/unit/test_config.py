@@ -53,8 +53,10 @@ def test_model_checks():
     with pytest.raises(SelfSpecConfigError, match=r"\[1, 30\]"):
         SelfSpecConfig.load({"method": "layerskip", "exit_layer": 31}).validate_for_model(MODEL)
     other = ModelInfo(4, 64, 100, "GPT2LMHeadModel")
-    with pytest.raises(SelfSpecConfigError, match="architecture"):
+    with pytest.raises(SelfSpecConfigError, match="architecture.*Qwen3ForCausalLM"):
         SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2}).validate_for_model(other)
+    qwen = ModelInfo(4, 64, 100, "Qwen2ForCausalLM")
+    SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2}).validate_for_model(qwen)
 
 
 def test_layerskip_policy_is_static():

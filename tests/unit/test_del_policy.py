@@ -130,6 +130,31 @@ def test_bad_options(opts, match):
         SelfSpecConfig.load({"method": "del", **opts}).validate_for_model(MODEL)
 
 
+def test_trained_heads_are_optional_and_checked(tmp_path):
+    from vllm_selfspec.heads import HeadSet, ModelIdentity, make_head, save_heads
+
+    def heads_dir(kind, hidden=64):
+        ident = ModelIdentity("LlamaForCausalLM", L, hidden, 100, "0123456789abcdef")
+        heads = {layer: make_head(kind, hidden, bottleneck=8) for layer in (10, 20)}
+        return str(save_heads(tmp_path / f"{kind}-{hidden}", HeadSet(kind, heads, ident)))
+
+    # no cached heads for this model: "auto" is the model's own LM head
+    assert SelfSpecConfig.load({"method": "del"}).resolved(str(tmp_path)).options["heads"] == "none"
+    assert make(heads="none").heads_path is None
+    path = heads_dir("adadecode")
+    p = make(heads=path)
+    assert p.heads_path == path and p.capture_layers == (10, 20)  # exits default to the heads'
+    assert p.head_for_layer(20) == "heads@20" and p.head_for_layer(12) == "lm_head"
+    for heads, match in [
+        (heads_dir("cascade"), "kind 'cascade'.*train-heads --kind adadecode"),
+        (heads_dir("adadecode", hidden=32), "hidden_size=32, this model has 64"),
+        (str(tmp_path / "nowhere"), "not a head directory.*train-heads --kind adadecode"),
+        (None, 'heads must be "auto", "none" or a head directory'),
+    ]:
+        with pytest.raises(SelfSpecConfigError, match=match):
+            SelfSpecConfig.load({"method": "del", "heads": heads}).validate_for_model(MODEL)
+
+
 def test_lm_head_counts_as_layers_in_tpl():
     p = make(exit_layers=[6])
     p.model = ModelInfo(L, 64, 100, "LlamaForCausalLM", lm_head_layers=8.0)

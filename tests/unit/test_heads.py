@@ -415,20 +415,3 @@ def test_cli_smoke_train_and_eval(tmp_path, monkeypatch):
         for row in result["layers"].values():
             assert 0 <= row["raw_top1"] <= 1 and 0 <= row["head_top1"] <= 1
             assert (row["precision"] is None) == (row["recall"] is None) == (kind == "adadecode")
-
-
-def test_embedded_heads_are_trained_once(tmp_path, monkeypatch, model):
-    from vllm_selfspec.heads import embedded
-
-    monkeypatch.setenv("VLLM_SELFSPEC_HOME", str(tmp_path))
-    calls = []
-
-    def fake_train(model_path, cfg, out, progress=True):
-        calls.append(cfg)
-        return save_heads(out, HeadSet(cfg.kind, trained_like(cfg.kind), identity_from_hf(model)))
-
-    monkeypatch.setattr("vllm_selfspec.heads.train.train_heads", fake_train)
-    first = embedded.ensure_embedded_heads("adadecode", progress=False)
-    assert first == tmp_path / "heads" / "smollm2-135m-instruct-adadecode"
-    assert embedded.ensure_embedded_heads("adadecode", progress=False) == first
-    assert len(calls) == 1 and calls[0].layers == embedded.EMBEDDED_LAYERS

@@ -111,6 +111,7 @@ def test_cascade_families():
     st.exit_accepted.update({8: 4})
     st.unverified_tokens = 7
     d = st.as_dict()
+    assert "early_predictions" not in d and "unconfident_walks" not in d
     assert list(d["cascade_exits"]) == ["8", "16", "none"]  # by layer, "none" last
     assert d["cascade_exits"]["8"] == {"drafted": 5, "accepted": 4, "acceptance": 0.8}
     m = _scrape(_Static(families(d, {"model_name": "m", "method": "cascade"}, L, 3)))
@@ -126,7 +127,13 @@ def test_adadecode_families():
     st = EngineStats()
     st.draft_token_layers, st.verify_token_layers, st.verify_rows = 300, 60, 10
     st.decode_tokens, st.rounds_resumed, st.rounds_dropped = 12, 9, 1
+    st.early_predicted.update({16: 4, 8: 5})
+    st.early_accepted.update({8: 4})
+    st.unconfident_walks = 3
     d = {**st.as_dict(), "layer_computations": layer_computations(st, L)}
+    assert "cascade_exits" not in d
+    assert list(d["early_predictions"]) == ["8", "16"]  # by head layer
+    assert d["early_predictions"]["8"] == {"predicted": 5, "accepted": 4, "acceptance": 0.8}
     lc = d["layer_computations"]
     assert lc["per_token"] == 30.0 and lc["draft_then_verify_per_token"] == (300 + 10 * L) / 12
     m = _scrape(_Static(families(d, {"model_name": "m", "method": "adadecode"}, L, 3)))
@@ -134,3 +141,7 @@ def test_adadecode_families():
     assert m[f'vllm:selfspec_token_layer_computations_total{{{lab},phase="draft"}}'] == 300
     assert m[f'vllm:selfspec_token_layer_computations_total{{{lab},phase="verify"}}'] == 60
     assert m[f'vllm:selfspec_deferred_rounds_total{{{lab},outcome="dropped"}}'] == 1
+    early = "vllm:selfspec_early_prediction_tokens_total"
+    assert m[f'{early}{{layer="8",{lab},outcome="accepted"}}'] == 4
+    assert m[f'{early}{{layer="16",{lab},outcome="predicted"}}'] == 4
+    assert m[f"vllm:selfspec_unconfident_walks_total{{{lab}}}"] == 3

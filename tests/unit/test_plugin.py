@@ -1,7 +1,9 @@
+import logging
+
 import pytest
 import torch
 
-from vllm_selfspec import compat
+from vllm_selfspec import compat, plugin
 from vllm_selfspec.engine.stats import EngineStats
 from vllm_selfspec.plugin import expand_batch_to_tokens
 
@@ -26,6 +28,50 @@ def test_expand_batch_to_tokens(x):
     out = expand_batch_to_tokens(x, cu, 5, replace_from=0, replace_to=1)
     want = torch.tensor([1, 1, x[2], x[2], x[2]], dtype=x.dtype)
     assert out.dtype == x.dtype and torch.equal(out, want)
+
+
+def _owner():
+    class Owner:
+        def greet(self):
+            return "vllm"
+
+    return Owner
+
+
+def _wrap(suffix):
+    def make(orig):
+        def greet(self):
+            return orig(self) + suffix
+
+        return greet
+
+    return make
+
+
+def test_a_patch_applies_once_is_logged_and_a_second_patch_is_refused(caplog):
+    Owner = _owner()
+    first = plugin.Patch(lambda: Owner, "greet", "says more", _wrap("+selfspec"))
+    with caplog.at_level(logging.INFO, logger="vllm_selfspec"):
+        plugin.apply(first)
+        plugin.apply(first)  # the same declaration again: nothing happens
+    assert Owner().greet() == "vllm+selfspec"
+    logged = [r.getMessage() for r in caplog.records if "says more" in r.getMessage()]
+    assert len(logged) == 1 and f"{Owner.__qualname__}.greet" in logged[0]
+    other = plugin.Patch(lambda: Owner, "greet", "says something else", _wrap("+other"))
+    with pytest.raises(RuntimeError, match="already patched"):
+        plugin.apply(other)
+    assert Owner().greet() == "vllm+selfspec"
+
+
+def test_a_patch_that_does_not_apply_here_changes_nothing():
+    Owner = _owner()
+    plugin.apply(plugin.Patch(lambda: Owner, "greet", "never", _wrap("!"), applies=lambda: False))
+    assert Owner().greet() == "vllm"
+
+
+def test_every_patch_targets_an_attribute_vllm_has():
+    for patch in plugin.PATCHES:
+        assert patch.attr in vars(patch.owner()), patch.why
 
 
 def test_vllm_spec_methods_known():

@@ -146,9 +146,9 @@ class _DraftBackend:
         st = self.p.stats
         for a, r in enumerate(requests):
             if confident[a]:
-                st.exit_drafted[layer] += 1
+                st.early_predicted[layer] += 1
             elif layer == self.engine.exits[-1]:  # a walk that found no confident head
-                st.exit_drafted["none"] += 1
+                st.unconfident_walks += 1
             if confident[a] and self.temps[r] > 0:
                 qa = q[a]
                 if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere

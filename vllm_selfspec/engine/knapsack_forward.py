@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import compat
+from ..models import home
 from ..policies.knapsack import LatencyModel
 
 logger = logging.getLogger(__name__)
@@ -138,8 +139,6 @@ def _device_name(device: torch.device) -> str:
 
 
 def _cache_path(proposer, device: torch.device) -> Path:
-    from ..models import home
-
     mc = proposer.vllm_config.model_config
     vocab = proposer.executor.vocab_ids
     key = json.dumps(

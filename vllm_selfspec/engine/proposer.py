@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import compat
-from ..config import SelfSpecConfig
+from ..config import LOSSY_WARNING, SelfSpecConfig
 from ..goodput import (
     AcceptanceTracker,
     Candidate,
@@ -33,10 +33,13 @@ from ..goodput import (
     StepCostModel,
     prefer_free,
 )
+from ..heads import identity_from_tensors, load_heads
 from ..lookup import ContextIndex, SharedIndex
 from ..policies import DraftDecision, Feedback
+from ..vocab import load_vocab
 from .adadecode import DeferredEngine
 from .executor import PlanExecutor
+from .knapsack_forward import KnapsackForward, latency_model
 from .shadow import ShadowProjector
 from .stats import EngineStats, layer_computations
 
@@ -119,8 +122,6 @@ class SelfSpecProposer:
         #: Cascade's lossy sampler: drafts are accepted unverified (worker.UnverifiedAcceptance)
         self.lossy = bool(getattr(self.policy, "lossy", False))
         if self.lossy:
-            from ..plugin import LOSSY_WARNING
-
             logger.warning(LOSSY_WARNING)
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -200,8 +201,6 @@ class SelfSpecProposer:
     def _identity(self):
         """The target's identity (heads.identity) on TP rank 0 (None elsewhere): rank 0 holds
         the fingerprinted embedding rows."""
-        from ..heads import identity_from_tensors
-
         if compat.tp_rank() != 0:
             return None
         lay, info = self.executor.layout, self.info
@@ -215,15 +214,11 @@ class SelfSpecProposer:
         )
 
     def _load_draft_vocab(self, path: str, size: int) -> None:
-        from ..vocab import load_vocab
-
         self.executor.set_draft_vocab(load_vocab(path, size, expect=self._identity()))
 
     def _load_heads(self, target_model, path: str) -> None:
         """Trained exit heads into the executor's head slots ("heads@<layer>"), after checking
         they were trained for this model (rank 0 holds the fingerprinted embedding rows)."""
-        from ..heads import load_heads
-
         heads = load_heads(path, expect=self._identity())
         param = self.executor.layout.norm.weight
         for layer, head in heads.items():
@@ -354,7 +349,7 @@ class SelfSpecProposer:
                         self.policy.cascade[e].layer for _, e in round_steps[:n_accepted]
                     )
                 if self.deferred is not None:  # AdaDecode: the heads that predicted early
-                    st.exit_accepted.update(self.deferred.round_exits.pop(req_id, [])[:n_accepted])
+                    st.early_accepted.update(self.deferred.round_exits.pop(req_id, [])[:n_accepted])
                     if req_id in self.deferred.decoding:
                         st.decode_tokens += len(sampled)
                 n = int(num_tokens[i])
@@ -502,8 +497,6 @@ class SelfSpecProposer:
 
     def _optimise(self, runner, due) -> None:
         """Searching policies (KnapSpec): run their search on the live model, per request."""
-        from .knapsack_forward import KnapsackForward, latency_model
-
         if self.policy.needs_latency and self.policy.latency is None:
             self.policy.latency = latency_model(self)
         table = runner.input_batch.block_table[0].get_device_tensor(len(runner.input_batch.req_ids))

@@ -38,6 +38,11 @@ class EngineStats:
     # confident, which end the round), and of those the target accepted
     exit_drafted: Counter = field(default_factory=Counter)
     exit_accepted: Counter = field(default_factory=Counter)
+    # AdaDecode: early predictions per predicting head layer, and of those the target accepted;
+    # draft walks that found no confident head (each ends its round)
+    early_predicted: Counter = field(default_factory=Counter)
+    early_accepted: Counter = field(default_factory=Counter)
+    unconfident_walks: int = 0
     # Cascade lossy mode: tokens emitted from exits without verification (total, per request)
     unverified_tokens: int = 0
     unverified_by_request: dict = field(default_factory=dict)
@@ -130,6 +135,21 @@ class EngineStats:
                     }
                 }
                 if self.exit_drafted
+                else {}
+            ),
+            **(
+                {
+                    "early_predictions": {
+                        str(k): {
+                            "predicted": n,
+                            "accepted": self.early_accepted[k],
+                            "acceptance": self.early_accepted[k] / n,
+                        }
+                        for k, n in sorted(self.early_predicted.items())
+                    },
+                    "unconfident_walks": self.unconfident_walks,
+                }
+                if self.early_predicted or self.unconfident_walks
                 else {}
             ),
             # seconds inside the runner: verify = the target step minus the selfspec parts

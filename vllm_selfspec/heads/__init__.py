@@ -11,7 +11,7 @@ Engine use::
     # cascade: heads[layer].confidence(x) >= heads[layer].threshold -> exit here
 """
 
-from .embedded import EMBEDDED_LAYERS, embedded_heads_dir, ensure_embedded_heads
+from .embedded import EMBEDDED_LAYERS, embedded_heads_dir
 from .identity import (
     HeadsMismatchError,
     ModelIdentity,
@@ -25,7 +25,6 @@ from .modules import AdaDecodeHead, CascadeHead, Readout, make_head, reference_l
 __all__ = [
     "EMBEDDED_LAYERS",
     "embedded_heads_dir",
-    "ensure_embedded_heads",
     "HeadsMismatchError",
     "ModelIdentity",
     "identity_from_hf",

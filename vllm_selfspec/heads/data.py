@@ -25,8 +25,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from ..prompts import load_prompts
 
 #: temperatures whose log-normaliser is stored (1: AdaDecode KL and CE; 2: Cascade distillation)
 TEMPERATURES = (1.0, 2.0)
@@ -63,8 +69,6 @@ def pydoc_prompts(tokenizer) -> list[Prompt]:
     """Prompts from ``pydoc_data.topics`` (Python's own docs, always offline): per topic a
     raw-text chunk to continue and, if the tokenizer has a chat template, a chat request to
     explain the topic (titled by the topic's first line)."""
-    from pydoc_data.topics import topics
-
     out: list[Prompt] = []
     for key in sorted(topics):
         text = topics[key].strip()
@@ -92,8 +96,6 @@ def load_corpus(sources: str, tokenizer, tokenizer_path: str) -> list[Prompt]:
     """Prompts of a comma-separated ``sources`` list: ``humaneval``, ``chat`` (built-in chat
     set), ``pydoc`` (see ``pydoc_prompts``) or JSONL files (as ``prompts.load_prompts``).
     Duplicates are dropped; order is deterministic."""
-    from ..prompts import load_prompts
-
     prompts: list[Prompt] = []
     for src in (s.strip() for s in sources.split(",")):
         if not src:
@@ -152,8 +154,6 @@ class TokenData:
 
     def save(self, path: Path, seconds: float = 0.0) -> None:
         """One safetensors file; ``seconds`` (capture time) goes into its metadata."""
-        from safetensors.torch import save_file
-
         tensors = {f"hidden.{l}": h.contiguous() for l, h in self.hidden.items()}
         tensors.update(
             topk_ids=self.topk_ids,
@@ -168,8 +168,6 @@ class TokenData:
 
     @classmethod
     def load(cls, path: Path) -> TokenData:
-        from safetensors.torch import load_file
-
         t = load_file(str(path))
         hidden = {int(k.split(".")[1]): v for k, v in t.items() if k.startswith("hidden.")}
         return cls(hidden, t["topk_ids"], t["topk_logits"], t["lse"], t["generated"], t["prompt"])
@@ -194,8 +192,6 @@ def capture(
 ) -> TokenData:
     """Greedy-generate from a batch of token-id prompts (left-padded, KV-cached) and return
     every kept position's exit-layer streams and final distribution (see module doc)."""
-    from transformers import DynamicCache
-
     if not 0 < top_k < model.config.vocab_size:
         raise ValueError(f"top_k must be in [1, vocab_size), got {top_k}")
     B, P = len(prompts), max(len(p) for p in prompts)
@@ -340,8 +336,6 @@ def collect(
 ) -> dict[str, TokenData]:
     """Capture the data of ``splits`` into ``data_dir`` (one safetensors shard per batch) and
     return it. Resumable: finished shards are kept and skipped on the next call."""
-    from tqdm import tqdm
-
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "spec.json").write_text(json.dumps(spec.__dict__, indent=1, default=list))
     eos = eos_ids(model, tokenizer)

@@ -1,7 +1,6 @@
-"""Heads for the embedded model (SmolLM2-135M-Instruct), trained once on first use.
-
-Cached like the model: ``$VLLM_SELFSPEC_HOME/heads/<model>-<kind>/`` (written atomically by
-``io.save_heads``; a file lock keeps two processes from training the same heads at once).
+"""Heads for the embedded model (SmolLM2-135M-Instruct): their default exit layers and their cache
+directory, ``$VLLM_SELFSPEC_HOME/heads/<model>-<kind>/`` (``vllm-selfspec train-heads`` writes
+there by default).
 
 Default exits 8, 12, 16, 20, 24 of 30 layers (27%–80% depth, every 4 layers): below ~8 even a
 trained head rarely agrees with the final layer (CascadeExit reports 41% at 29% depth), above 24
@@ -11,11 +10,11 @@ Cascade) a real choice while training cost stays linear in the number of exits.
 
 from __future__ import annotations
 
-import fcntl
+import os
 from pathlib import Path
 
-from ..models import EMBEDDED_NAME, home
-from .io import CONFIG_FILE
+from ..models import EMBEDDED_NAME, embedded_model_dir, home
+from .identity import CONFIG_FILE
 
 EMBEDDED_LAYERS = (8, 12, 16, 20, 24)
 
@@ -24,18 +23,10 @@ def embedded_heads_dir(kind: str) -> Path:
     return home() / "heads" / f"{EMBEDDED_NAME}-{kind}"
 
 
-def ensure_embedded_heads(kind: str, progress: bool = True) -> Path:
-    """The embedded model's ``kind`` heads ("adadecode" | "cascade"), trained with the default
-    ``TrainConfig`` if not cached yet (about 6 minutes on one CPU thread)."""
-    from .train import TrainConfig, train_heads
-
-    out = embedded_heads_dir(kind)
-    if (out / CONFIG_FILE).is_file():
-        return out
-    cfg = TrainConfig(kind=kind, layers=EMBEDDED_LAYERS)  # validates kind
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / CONFIG_FILE).is_file():  # another process may have finished meanwhile
-            train_heads(None, cfg, out, progress=progress)
-    return out
+def cached_heads(model_path: str | os.PathLike, kind: str) -> Path | None:
+    """The cached trained exit heads of ``kind`` for this model, if they exist (today: the
+    embedded model's, in ``embedded_heads_dir``)."""
+    if Path(model_path).resolve() != embedded_model_dir().resolve():
+        return None
+    found = embedded_heads_dir(kind)
+    return found if (found / CONFIG_FILE).is_file() else None

@@ -3,12 +3,19 @@ precision/recall at its threshold. Every number here uses the exact float32 read
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .data import TokenData
+from ..models import resolve_model
+from .data import TokenData, capture, digest, eos_ids, load_corpus, plan_batches, tokenize
+from .identity import identity_from_hf
+from .io import load_heads, read_config, train_prompt_digests
 from .modules import Readout
 
 CHUNK = 1024
@@ -105,17 +112,6 @@ def evaluate_heads(
     training), skipping every prompt training used, and return ``{"layers": agreement(...),
     ...}`` on the generated positions. ``model`` defaults to the path recorded at training
     (or the embedded model); it must match the heads' identity."""
-    import time
-    from pathlib import Path
-
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..models import resolve_model
-    from .data import capture, digest, eos_ids, load_corpus, plan_batches, tokenize
-    from .identity import identity_from_hf
-    from .io import load_heads, read_config, train_prompt_digests
-
     t0 = time.perf_counter()
     if model is None:
         recorded = read_config(heads_dir).get("training", {}).get("model_path")

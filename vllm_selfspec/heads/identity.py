@@ -1,8 +1,9 @@
 """Which base model a set of exit heads belongs to.
 
 Heads are trained against one model's frozen final norm and LM head; loaded onto another model
-they silently produce garbage. So every head set records a ``ModelIdentity`` and the loader
-refuses a mismatch.
+they silently produce garbage. So every head set (and every draft vocabulary, ``vocab.py``)
+records a ``ModelIdentity`` in its config.json (``read_saved_config``) and the loader refuses a
+mismatch.
 
 The fingerprint hashes a few deterministic slices of weights every engine has cheaply at hand:
 
@@ -17,12 +18,17 @@ float32 or bfloat16 (float16-loaded weights are rounded twice and may not match)
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 FINGERPRINT_ROWS = 64
 FINGERPRINT_COL_STRIDE = 7
+#: the config file of every directory saved for a base model (head sets, draft vocabularies)
+CONFIG_FILE = "config.json"
 
 
 class HeadsMismatchError(ValueError):
@@ -62,6 +68,24 @@ class ModelIdentity:
             raise HeadsMismatchError(
                 f"{what} belong to a different base model (" + "; ".join(diffs) + ")"
             )
+
+
+def read_saved_config(
+    path: str | Path, name: str, fmt: str, version: int, error: type[ValueError]
+) -> dict[str, Any]:
+    """``CONFIG_FILE`` of a directory saved for a base model (a head set, a draft vocabulary),
+    checked for its format and version; ``name`` says what such a directory is ("head",
+    "draft-vocabulary"), ``error`` is what a missing file or another format raises."""
+    f = Path(path) / CONFIG_FILE
+    if not f.is_file():
+        raise error(f"{path} is not a {name} directory: no {CONFIG_FILE}")
+    config = json.loads(f.read_text())
+    if config.get("format") != fmt or config.get("version") != version:
+        raise error(
+            f"{f}: expected format {fmt!r} version {version}, got "
+            f"{config.get('format')!r} version {config.get('version')!r}"
+        )
+    return config
 
 
 def weights_fingerprint(

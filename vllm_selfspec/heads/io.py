@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .identity import ModelIdentity
+from .identity import CONFIG_FILE, ModelIdentity, read_saved_config
 from .modules import KINDS, make_head
 
 FORMAT = "vllm-selfspec-heads"
 VERSION = 1
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
 PROMPTS_FILE = "train_prompts.json"
 
@@ -101,7 +101,6 @@ def save_heads(
     train_prompt_digests: list[str] | None = None,
 ) -> Path:
     """Write ``heads`` to ``out`` atomically (a temp dir renamed over ``out``); return ``out``."""
-    from safetensors.torch import save_file
 
     out = Path(out)
     first = next(iter(heads.values()))
@@ -145,16 +144,7 @@ def save_heads(
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """config.json of a head directory, checked for format and version."""
-    f = Path(path) / CONFIG_FILE
-    if not f.is_file():
-        raise HeadsFormatError(f"{path} is not a head directory: no {CONFIG_FILE}")
-    config = json.loads(f.read_text())
-    if config.get("format") != FORMAT or config.get("version") != VERSION:
-        raise HeadsFormatError(
-            f"{f}: expected format {FORMAT!r} version {VERSION}, got "
-            f"{config.get('format')!r} version {config.get('version')!r}"
-        )
-    return config
+    return read_saved_config(path, "head", FORMAT, VERSION, HeadsFormatError)
 
 
 def train_prompt_digests(path: str | Path) -> set[str]:
@@ -166,7 +156,6 @@ def load_heads(path: str | Path, *, expect: ModelIdentity | None) -> HeadSet:
     """Load a head directory. ``expect`` is the identity of the model the heads will run on
     (``identity_from_hf`` / ``identity_from_tensors``); a mismatch raises
     ``HeadsMismatchError``. Pass ``expect=None`` only to inspect heads without a model."""
-    from safetensors.torch import load_file
 
     path = Path(path)
     config = read_config(path)

@@ -46,7 +46,8 @@ class CascadeHead(nn.Module):
     * ``confidence(h) = σ(MLP(z))``, MLP d → 256 → 1 with SiLU, probability that this exit's
       top-1 equals the final layer's. ``z`` is ``h`` RMS-normalised (no weights) and standardised
       with per-feature statistics of the estimator's training data (buffers): the raw stream's
-      scale varies ~10× across positions, which a small MLP with a short schedule copes badly with.
+      scale varies widely across positions (docs/heads.md, "Engine interface"), which a small MLP
+      with a short schedule copes badly with.
     * ``threshold``: exit when ``confidence >= threshold`` (chosen by F1 on a held-out split).
     """
 
@@ -103,8 +104,9 @@ class Readout:
     """The HF model's frozen final norm + LM head (what the engine applies after a head).
 
     ``logits(x)`` is the exact float32 reference. ``logits(x, fast=True)`` runs the big
-    [N, d] × [d, V] product in bfloat16 (about 4× faster on CPUs with AVX512-BF16/AMX); training
-    uses it for speed, while every reported number and every label uses the exact path."""
+    [N, d] × [d, V] product in bfloat16 (faster on CPUs with AVX512-BF16/AMX: docs/heads.md,
+    "Training"); training uses it for speed, while every reported number and every label uses the
+    exact path."""
 
     def __init__(self, model) -> None:
         self.norm = model.model.norm

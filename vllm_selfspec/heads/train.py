@@ -27,9 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .data import TokenData
+from ..models import home, resolve_model
+from .data import TRAINING_SPLITS, CollectSpec, TokenData, collect, load_corpus
+from .evaluate import agreement, select_threshold, top1
+from .identity import identity_from_hf
+from .io import HeadSet, save_heads
 from .losses import adadecode_loss, cascade_loss
 from .modules import Readout, make_head
 
@@ -49,7 +56,7 @@ class TrainConfig:
     # transforms
     steps: int = 160
     batch_size: int = 256
-    lr: float | None = None  # None: 3e-3 adadecode, 1e-3 cascade (best on the embedded val split)
+    lr: float | None = None  # None: 3e-3 adadecode, 1e-3 cascade (docs/heads.md, "Training")
     weight_decay: float | None = None  # None: 0 for adadecode (T starts at I), 0.01 for cascade
     warmup: float = 0.05
     grad_clip: float = 1.0
@@ -57,7 +64,7 @@ class TrainConfig:
     temperature: float = 2.0  # cascade distillation temperature
     bottleneck: int | None = None  # cascade; None: min(512, d)
     # confidence estimators (cascade)
-    est_steps: int = 60  # ~8 epochs of the embedded fit split; 300 overfit (BCE 0.1, p -> 0/1)
+    est_steps: int = 60  # ~8 epochs of the embedded fit split; more overfit (docs/heads.md)
     est_batch_size: int = 512
     est_lr: float = 1e-3
     seed: int = 0
@@ -112,8 +119,6 @@ def fit_transforms(
     """Train every head's transform on ``data`` (in place) for ``cfg.steps`` steps; returns
     ``{"loss": {layer: [per-step loss]}, "seconds": ...}``. With ``state_path`` a checkpoint is
     written every ``cfg.checkpoint_every`` steps and resumed from if present."""
-    from tqdm import tqdm
-
     loss_fn: Callable = (
         adadecode_loss
         if cfg.kind == "adadecode"
@@ -186,10 +191,6 @@ def fit_estimators(
 ) -> dict[str, Any]:
     """Cascade stage 3 (see module doc): train each head's confidence estimator on ``fit`` and
     set ``head.threshold`` by F1 on ``val``. Returns per-layer positives rate and F1 stats."""
-    from tqdm import tqdm
-
-    from .evaluate import select_threshold, top1
-
     report: dict[str, Any] = {}
     for l, head in tqdm(
         heads.items(), desc="confidence estimators", unit="layer", disable=not progress
@@ -242,14 +243,6 @@ def train_heads(
     ``data_dir``: where collected shards live (default ``$VLLM_SELFSPEC_HOME/heads/data/<key>``,
     keyed by everything that determines the data, so a second kind on the same layers reuses
     it). Training checkpoints go to ``<out's parent>/.<out name>.work/`` (removed when done)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..models import home, resolve_model
-    from .data import TRAINING_SPLITS, CollectSpec, collect, load_corpus
-    from .evaluate import agreement
-    from .identity import identity_from_hf
-    from .io import HeadSet, save_heads
-
     t_start = time.perf_counter()
     out = Path(out)
     model_path = resolve_model(model)
@@ -336,8 +329,6 @@ def train_heads(
 
 def _shard_seconds(data_dir: Path) -> list[float]:
     """Capture time recorded in each shard (sums correctly over resumed/cached collections)."""
-    from safetensors import safe_open
-
     secs = []
     for p in sorted(data_dir.glob("*.safetensors")):
         with safe_open(str(p), "pt") as f:

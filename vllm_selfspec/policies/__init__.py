@@ -1,4 +1,4 @@
-"""Policies: one file per method. Each is pure tensor logic and never imports vLLM."""
+"""Policies: one file per method. Each is pure tensor logic: it never imports vLLM, reads no files."""
 
 from __future__ import annotations
 

@@ -29,9 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..plans import LayerPlan
-from .base import DraftDecision, ModelInfo, Policy, heads_config, resolve_heads
-
-HEAD_KIND = "adadecode"
+from .base import DraftDecision, ModelInfo, Policy
 
 
 class AdaDecodePolicy(Policy):
@@ -39,29 +37,21 @@ class AdaDecodePolicy(Policy):
     options = {"heads": "auto", "threshold": 0.85, "exit_layers": None}
     common_defaults = {"num_speculative_tokens": 5, "draft_vocab_size": "auto"}
     #: every draft walk evaluates a head at each exit it passes, so the head's cost counts more
-    #: than for other methods: 4096 tokens measured 1.04x vs 0.93x with 8192 (HumanEval bs 1,
-    #: docs/benchmarks.md), with the same acceptance
+    #: than for other methods: 4096 tokens measured faster than 8192 at the same acceptance
+    #: (docs/benchmarks.md, "AdaDecode")
     auto_draft_vocab_size = 4096
     #: the engine drafts with the deferred-layer schedule and resumes the rows in the next target
     #: forward (engine/adadecode.py) instead of drafting with a layer plan
     deferred = True
-
-    @classmethod
-    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        return resolve_heads(config, model_path, cls.name, HEAD_KIND, "AdaDecode")
+    head_kind = "adadecode"
 
     @staticmethod
-    def _trained_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...] | None:
-        """The heads' layers, checked against the model (None while ``heads`` is "auto")."""
-        hc = heads_config(config, model, "adadecode", HEAD_KIND)
-        return None if hc is None else tuple(sorted(int(layer) for layer in hc["layers"]))
-
-    @classmethod
-    def exits(cls, config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:
-        trained = cls._trained_layers(config, model)
-        if trained is None:
+    def exits(config: dict[str, Any], heads: dict[str, Any] | None) -> tuple[int, ...]:
+        """The configured exits among the heads' layers (empty without ``heads``)."""
+        if heads is None:
             return ()
-        layers = config.get("exit_layers")
+        trained = tuple(sorted(int(layer) for layer in heads["layers"]))
+        layers = config["exit_layers"]
         if layers is None:
             return trained
         if (
@@ -76,16 +66,24 @@ class AdaDecodePolicy(Policy):
         return tuple(sorted(set(layers)))
 
     @classmethod
-    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
-        cls.exits(config, model)
-        t = config.get("threshold", 0.85)
+    def validate(
+        cls, config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None = None
+    ) -> None:
+        cls.exits(config, heads)
+        t = config["threshold"]
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 1:
             raise ValueError(f"adadecode: threshold (γ) must be in (0, 1], got {t!r}")
 
-    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
-        super().__init__(config, model, max_draft_tokens)
-        self.validate(config, model)
-        self.exit_layers = self.exits(config, model)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model: ModelInfo,
+        max_draft_tokens: int,
+        heads: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, model, max_draft_tokens, heads)
+        self.validate(config, model, heads)
+        self.exit_layers = self.exits(config, heads)
         if not self.exit_layers:
             raise ValueError(
                 "adadecode: heads must be resolved to a directory before the engine "
@@ -93,7 +91,7 @@ class AdaDecodePolicy(Policy):
             )
         #: the engine loads these heads into its head slots ("heads@<layer>")
         self.heads_path = config["heads"]
-        self.threshold = float(config.get("threshold", 0.85))
+        self.threshold = float(config["threshold"])
         # the plan is only the engine's record of the deepest layer a draft walk reaches
         self.decision = DraftDecision(
             LayerPlan.prefix(

@@ -10,6 +10,9 @@ The engine calls, per request and per decode step:
 
 State is whatever ``new_state()`` returns; the engine creates it on a request's first step and
 drops it when vLLM removes the request.
+
+A policy reads no files: ``SelfSpecConfig.make_policy`` (config.py) builds it from its options,
+every default merged in, and the config.json of its trained heads, if it has any.
 """
 
 from __future__ import annotations
@@ -36,6 +39,17 @@ class ModelInfo:
     lm_head_layers: float = 0.0
     #: the same for the draft's head (less with a reduced draft vocabulary); None: lm_head_layers
     draft_head_layers: float | None = None
+
+    def check_built_for(self, base_model: dict[str, Any], what: str) -> None:
+        """Raise ValueError unless ``base_model`` (the sizes a head set or a draft vocabulary
+        records) are this model's; ``what`` begins the message, e.g. "the map in DIR was built"
+        -> "the map in DIR was built for a model with vocab_size=10, this model has 20"."""
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if base_model[key] != getattr(self, key):
+                raise ValueError(
+                    f"{what} for a model with {key}={base_model[key]}, "
+                    f"this model has {getattr(self, key)}"
+                )
 
 
 @dataclass
@@ -75,13 +89,29 @@ class Policy(ABC):
 
     #: method name as used in the config ("layerskip", "del", ...)
     name: str = ""
-    #: option name -> default; the config validator rejects any other key
+    #: option name -> default; the config validator rejects any other key, and merges these
+    #: defaults in (config.py), so a policy reads ``config[name]`` for every option
     options: dict[str, Any] = {}
+    #: the kind of trained heads (``vllm-selfspec train-heads --kind``) the method drafts through
+    #: (None: none). Its ``heads`` option names them ("auto": the model's cached ones); config.py
+    #: finds them and reads and checks their config.json, and hands it to ``validate`` and the
+    #: constructor as ``heads``
+    head_kind: str | None = None
+    #: the method also runs without its heads (``heads: "none"``; "auto" finds none: "none")
+    heads_optional: bool = False
 
-    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model: ModelInfo,
+        max_draft_tokens: int,
+        heads: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.model = model
         self.max_draft_tokens = max_draft_tokens
+        #: the trained heads' config.json (None: no heads, or ``heads`` still "auto")
+        self.heads = heads
 
     #: layer counts after which the engine captures the residual stream for observe()
     capture_layers: tuple[int, ...] = ()
@@ -107,14 +137,11 @@ class Policy(ABC):
     deferred: bool = False
 
     @classmethod
-    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        """Options with machine-dependent defaults made concrete (e.g. "auto" -> a file path),
-        once, in the front end; every worker then sees the same values."""
-        return config
-
-    @classmethod
-    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
-        """Raise ValueError for option values impossible on this model (called before serving)."""
+    def validate(
+        cls, config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None = None
+    ) -> None:
+        """Raise ValueError for option values impossible on this model and these heads (called
+        before serving)."""
 
     def new_state(self) -> Any:
         return None
@@ -152,62 +179,3 @@ class Policy(ABC):
     def describe(self) -> dict[str, Any]:
         """Static facts for results and logs."""
         return {"method": self.name}
-
-
-# ---- trained heads (AdaDecode, Cascade): one lookup and one check for every method -------------
-def train_hint(kind: str, model_path: str | None = None) -> str:
-    """How to get heads of ``kind`` (ends every heads error)."""
-    model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
-    return (
-        f"train them once with `vllm-selfspec train-heads --kind {kind}{model}` "
-        f"(15-20 minutes on a 2-core CPU for the embedded model), then pass "
-        f'"heads": HEADS_DIR or leave "heads": "auto" for the embedded model'
-    )
-
-
-def resolve_heads(
-    config: dict[str, Any], model_path: str, method: str, kind: str, label: str
-) -> dict[str, Any]:
-    """``heads: "auto"`` -> the model's cached heads of ``kind``, or a clear error."""
-    if config.get("heads", "auto") == "auto":
-        from ..models import cached_heads
-
-        found = cached_heads(model_path, kind)
-        if found is None:
-            raise ValueError(
-                f"{method}: no trained {label} heads are cached for the model "
-                f"{model_path}; {train_hint(kind, model_path)}"
-            )
-        config["heads"] = str(found)
-    return config
-
-
-def heads_config(
-    config: dict[str, Any], model: ModelInfo, method: str, kind: str, need: str = ""
-) -> dict[str, Any] | None:
-    """The heads' config.json, checked to be of ``kind`` and for this model's sizes (None while
-    ``heads`` is still "auto"); ``need`` says what that kind is, for the error."""
-    heads = config.get("heads", "auto")
-    if heads == "auto":
-        return None
-    if not isinstance(heads, str) or not heads:
-        raise ValueError(f'{method}: heads must be "auto" or a head directory, got {heads!r}')
-    from ..heads.io import read_config
-
-    try:
-        hc = read_config(heads)
-    except ValueError as e:
-        raise ValueError(f"{method}: heads: {e}; {train_hint(kind)}") from e
-    if hc.get("kind") != kind:
-        raise ValueError(
-            f"{method}: the heads in {heads} are of kind {hc.get('kind')!r}; "
-            f"{method} needs kind {kind!r}{need}: {train_hint(kind)}"
-        )
-    base = hc["base_model"]
-    for key in ("num_layers", "hidden_size", "vocab_size"):
-        if base[key] != getattr(model, key):
-            raise ValueError(
-                f"{method}: the heads in {heads} were trained for a model with "
-                f"{key}={base[key]}, this model has {getattr(model, key)}"
-            )
-    return hc

@@ -11,9 +11,8 @@ speculative loop over one shared paged KV cache).
 
 Within a round a draft token exits no deeper than the previous one did (the first token may
 use every exit): a deeper exit would attend, in the layers past the previous token's exit, to KV
-slots that token never wrote. On the embedded model (4 prompts, 64 tokens) letting tokens go
-deeper halved acceptance: 8% instead of 15% at the trained thresholds, 26% instead of 36% at 0.6.
-The round ends at the first token with no confident exit up to that
+slots that token never wrote (letting them go deeper halved acceptance on the embedded model:
+docs/benchmarks.md, "Cascade"). The round ends at the first token with no confident exit up to that
 cap. The engine runs the rows of one draft step together, layer by layer, and goes deeper only
 while some row is still undecided (rows that exited ride along; memory-bound steps cost little
 more per row).
@@ -65,9 +64,8 @@ from typing import Any
 import numpy as np
 
 from ..plans import LayerPlan
-from .base import DraftDecision, Feedback, ModelInfo, Policy, heads_config, resolve_heads
+from .base import DraftDecision, Feedback, ModelInfo, Policy
 
-HEAD_KIND = "cascade"
 #: observations the priors of p_i and a_i are worth
 PRIOR_WEIGHT = 2.0
 #: prior of p_i, P(confident at exit i | reached undecided), when training recorded no rates
@@ -112,26 +110,15 @@ class CascadePolicy(Policy):
     }
     # the reduced draft vocabulary when the model has a map, as DEL and KnapSpec
     common_defaults = {"num_speculative_tokens": 6, "draft_vocab_size": "auto"}
-
-    @classmethod
-    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        return resolve_heads(config, model_path, cls.name, HEAD_KIND, "cascade")
+    head_kind = "cascade"
 
     @staticmethod
-    def _heads_config(config: dict[str, Any], model: ModelInfo) -> dict[str, Any] | None:
-        """The heads' config.json, checked against the model (None while still "auto")."""
-        return heads_config(
-            config, model, "cascade", HEAD_KIND, " (adapters with confidence estimators)"
-        )
-
-    @classmethod
-    def exits(cls, config: dict[str, Any], model: ModelInfo) -> tuple[CascadeExit, ...]:
-        """The configured exits, shallowest first (empty while ``heads`` is still "auto")."""
-        hc = cls._heads_config(config, model)
-        if hc is None:
+    def exits(config: dict[str, Any], heads: dict[str, Any] | None) -> tuple[CascadeExit, ...]:
+        """The configured exits of the heads, shallowest first (empty without ``heads``)."""
+        if heads is None:
             return ()
-        trained = {int(layer): float(t) for layer, t in (hc.get("thresholds") or {}).items()}
-        layers = config.get("exit_layers")
+        trained = {int(layer): float(t) for layer, t in (heads.get("thresholds") or {}).items()}
+        layers = config["exit_layers"]
         if layers is None:
             layers = sorted(trained)
         bad = [x for x in layers if x not in trained]
@@ -140,7 +127,7 @@ class CascadePolicy(Policy):
                 f"cascade: exit_layers must be a non-empty subset of the trained "
                 f"exits {sorted(trained)}, got {layers!r}"
             )
-        over = config.get("thresholds")
+        over = config["thresholds"]
         if over is None:
             over = {}
         elif isinstance(over, (int, float)) and not isinstance(over, bool):
@@ -165,18 +152,26 @@ class CascadePolicy(Policy):
         )
 
     @classmethod
-    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
-        cls.exits(config, model)
+    def validate(
+        cls, config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None = None
+    ) -> None:
+        cls.exits(config, heads)
         for key in ("lossy", "adaptive"):
-            if not isinstance(config.get(key, False), bool):
+            if not isinstance(config[key], bool):
                 raise ValueError(f"cascade: {key} must be true or false, got {config[key]!r}")
-        omega = config.get("omega", 0.95)
+        omega = config["omega"]
         if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
             raise ValueError(f"cascade: omega must be in (0, 1], got {omega!r}")
 
-    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
-        super().__init__(config, model, max_draft_tokens)
-        self.cascade = self.exits(config, model)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model: ModelInfo,
+        max_draft_tokens: int,
+        heads: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, model, max_draft_tokens, heads)
+        self.cascade = self.exits(config, heads)
         if not self.cascade:
             raise ValueError(
                 "cascade: heads must be resolved to a directory before the engine "
@@ -185,12 +180,12 @@ class CascadePolicy(Policy):
         #: the engine loads these heads into its head slots
         self.heads_path = config["heads"]
         #: drafts are emitted without verification (changes outputs; see the module docstring)
-        self.lossy = bool(config.get("lossy", False))
-        self.adaptive = bool(config.get("adaptive", True))
+        self.lossy = bool(config["lossy"])
+        self.adaptive = bool(config["adaptive"])
         self.timed = self.adaptive  # the walk rule reads the measured step costs
-        self.omega = float(config.get("omega", 0.95))
+        self.omega = float(config["omega"])
         self.layers = np.array([e.layer for e in self.cascade], dtype=np.float64)
-        self.prior_confident, self.prior_accept = self._priors(config, model)
+        self.prior_confident, self.prior_accept = self._priors()
         deepest = self.cascade[-1]
         self.decision = DraftDecision(
             LayerPlan.prefix(model.num_layers, deepest.layer, deepest.head),
@@ -198,11 +193,11 @@ class CascadePolicy(Policy):
             cascade=self.cascade,
         )
 
-    def _priors(self, config: dict[str, Any], model: ModelInfo) -> tuple[np.ndarray, np.ndarray]:
+    def _priors(self) -> tuple[np.ndarray, np.ndarray]:
         """Priors of p_i and a_i from the estimators' held-out scores recorded by training:
         P(confident) = recall · positive rate / precision, and the precision (the share of
         confident exits that agree with the final layer); 0.5 when not recorded."""
-        est = (self._heads_config(config, model) or {}).get("training", {}).get("estimators", {})
+        est = self.heads.get("training", {}).get("estimators", {})
         p, a = [], []
         for e in self.cascade:
             r = est.get(str(e.layer), {})

@@ -20,7 +20,7 @@ Per request and per round:
   shadow tokens that cleared ``τ_ℓ`` and ``a_ℓ`` the acceptance among them, a round emits
   ``1 + Σ_{i≤d} (β a)^i`` tokens for ``Σ_{i<d} β^i`` draft steps (the failing token's step is
   paid); β = 1 is the paper's formula. Without it, rounds whose first draft token is usually
-  below ``τ`` pay a draft step for nothing (two thirds of the rounds in an earlier benchmark).
+  below ``τ`` pay a draft step for nothing (docs/benchmarks.md, "DEL").
   Once a layer has drafted for real, β is the decayed pass rate of its real draft steps (read
   from how many drafts the last round kept), not the shadow estimate.
   ``cost``: ``"layers"`` is the paper's TPL with the LM head counted as the ``h`` layers its weights
@@ -57,8 +57,6 @@ from .base import DraftDecision, Feedback, ModelInfo, Policy
 #: real draft steps at a layer (decayed) after which their confidence-stop rate replaces the
 #: shadow tokens' estimate of it
 MIN_REAL_STEPS = 4.0
-#: the trained heads DEL drafts through by default (lightweight: one d x d matrix per exit)
-HEAD_KIND = "adadecode"
 
 
 def default_exit_layers(num_layers: int, count: int = 6) -> tuple[int, ...]:
@@ -161,64 +159,44 @@ class DELPolicy(Policy):
         "heads": "auto",
     }
     # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
-    # 0.95x vs 0.81x with trained heads at bs 1, docs/benchmarks.md)
+    # faster with trained heads: docs/benchmarks.md, "Cheap draft steps")
     common_defaults = {
         "num_speculative_tokens": 18,
         "capture_tokens": 8,
         "draft_vocab_size": "auto",
     }
     shadow = True
-
-    @classmethod
-    def resolve(cls, config: dict[str, Any], model_path: str) -> dict[str, Any]:
-        """``heads: "auto"`` -> the model's cached trained heads if they exist, else "none"."""
-        heads = config.get("heads", "auto")
-        if heads == "auto":
-            from ..models import cached_heads
-
-            found = cached_heads(model_path, HEAD_KIND)
-            config["heads"] = str(found) if found is not None else "none"
-        return config
+    #: drafts and shadow tokens read through trained AdaDecode heads when the model has them
+    #: (lightweight: one d x d matrix per exit), else through the model's own LM head
+    head_kind = "adadecode"
+    heads_optional = True
 
     @staticmethod
-    def _head_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:
-        heads = config.get("heads", "auto")
-        if heads in ("auto", "none", None):
-            return ()
-        from ..heads.io import read_config
-
-        try:
-            hc = read_config(heads)
-        except ValueError as e:
-            raise ValueError(f"del: heads: {e}") from e
-        base = hc["base_model"]
-        for key in ("num_layers", "hidden_size", "vocab_size"):
-            if base[key] != getattr(model, key):
-                raise ValueError(
-                    f"del: the heads in {heads} were trained for a model with "
-                    f"{key}={base[key]}, this model has {getattr(model, key)}"
-                )
-        return tuple(int(layer) for layer in hc["layers"])
+    def _head_layers(heads: dict[str, Any] | None) -> tuple[int, ...]:
+        return () if heads is None else tuple(int(layer) for layer in heads["layers"])
 
     @classmethod
-    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
-        cls._exit_layers(config, model)
-        cls._head_layers(config, model)
-        omega = config.get("omega", 0.95)
+    def validate(
+        cls, config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None = None
+    ) -> None:
+        cls._exit_layers(config, model, heads)
+        omega = config["omega"]
         if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
             raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
-        if config.get("cost", "layers") not in ("layers", "time"):
-            raise ValueError(f'del: cost must be "layers" or "time", got {config.get("cost")!r}')
-        every = config.get("shadow_every", 4)
+        if config["cost"] not in ("layers", "time"):
+            raise ValueError(f'del: cost must be "layers" or "time", got {config["cost"]!r}')
+        every = config["shadow_every"]
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"del: shadow_every must be a positive integer, got {every!r}")
 
     @staticmethod
-    def _exit_layers(config: dict[str, Any], model: ModelInfo) -> tuple[int, ...]:
+    def _exit_layers(
+        config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None
+    ) -> tuple[int, ...]:
         L = model.num_layers
-        layers = config.get("exit_layers")
+        layers = config["exit_layers"]
         if layers is None:
-            return DELPolicy._head_layers(config, model) or default_exit_layers(L)
+            return DELPolicy._head_layers(heads) or default_exit_layers(L)
         bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x < L]
         if not layers or bad:
             raise ValueError(
@@ -227,18 +205,24 @@ class DELPolicy(Policy):
             )
         return tuple(sorted(set(layers)))
 
-    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
-        super().__init__(config, model, max_draft_tokens)
-        self.validate(config, model)
-        self.head_layers = self._head_layers(config, model)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model: ModelInfo,
+        max_draft_tokens: int,
+        heads: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, model, max_draft_tokens, heads)
+        self.validate(config, model, heads)
+        self.head_layers = self._head_layers(heads)
         #: trained exit heads the engine loads (None: the model's own LM head everywhere)
-        self.heads_path = config["heads"] if self.head_layers else None
-        self.capture_layers = self._exit_layers(config, model)
+        self.heads_path = config["heads"] if heads is not None else None
+        self.capture_layers = self._exit_layers(config, model, heads)
         self.layers = np.array(self.capture_layers, dtype=np.float64)
-        self.omega = float(config.get("omega", 0.95))
-        self.every = int(config.get("shadow_every", 4))
-        self.dynamic_threshold = bool(config.get("dynamic_threshold", True))
-        self.cost = config.get("cost", "layers")
+        self.omega = float(config["omega"])
+        self.every = int(config["shadow_every"])
+        self.dynamic_threshold = bool(config["dynamic_threshold"])
+        self.cost = config["cost"]
         self.timed = self.cost == "time"
         self.plans = {
             l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))

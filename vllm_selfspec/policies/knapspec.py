@@ -50,10 +50,8 @@ class KnapSpecState:
         return sum(h.shape[1] for _, h in self.rounds)
 
 
-def _number(
-    config: dict, key: str, default, lo: float, hi: float, integer: bool, allow_none: bool = False
-):
-    v = config.get(key, default)
+def _number(config: dict, key: str, lo: float, hi: float, integer: bool, allow_none: bool = False):
+    v = config[key]
     if v is None and allow_none:
         return None
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
@@ -69,7 +67,7 @@ class KnapSpecPolicy(Policy):
     options = {"interval": 64, "history_rounds": 5, "tau": 0.5, "min_confidence": 0.7}
     #: D = 10 (the paper's); 16 prompt rows seed the first search (its cost grows with the rows)
     # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
-    # 0.58x vs 0.47x at bs 1, docs/benchmarks.md)
+    # faster: docs/benchmarks.md, "Cheap draft steps")
     common_defaults = {
         "num_speculative_tokens": 10,
         "capture_tokens": 16,
@@ -79,19 +77,27 @@ class KnapSpecPolicy(Policy):
     needs_latency = True
 
     @classmethod
-    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
-        _number(config, "interval", 64, 1, 10**9, integer=True)
-        _number(config, "history_rounds", 5, 1, 10**4, integer=True)
-        _number(config, "tau", 0.5, -1.0, 1.0, integer=False)
-        _number(config, "min_confidence", 0.7, 0.0, 1.0, integer=False, allow_none=True)
+    def validate(
+        cls, config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None = None
+    ) -> None:
+        _number(config, "interval", 1, 10**9, integer=True)
+        _number(config, "history_rounds", 1, 10**4, integer=True)
+        _number(config, "tau", -1.0, 1.0, integer=False)
+        _number(config, "min_confidence", 0.0, 1.0, integer=False, allow_none=True)
 
-    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
-        super().__init__(config, model, max_draft_tokens)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model: ModelInfo,
+        max_draft_tokens: int,
+        heads: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, model, max_draft_tokens, heads)
         self.validate(config, model)
-        self.interval = int(config.get("interval", 64))
-        self.history_rounds = int(config.get("history_rounds", 5))
-        self.tau = float(config.get("tau", 0.5))
-        conf = config.get("min_confidence", 0.7)
+        self.interval = int(config["interval"])
+        self.history_rounds = int(config["history_rounds"])
+        self.tau = float(config["tau"])
+        conf = config["min_confidence"]
         self.min_confidence = None if conf is None else float(conf)
         L = model.num_layers
         self.capture_layers = tuple(range(L + 1))

@@ -20,15 +20,17 @@ class LayerSkipPolicy(Policy):
     options = {"exit_layer": None, "skip_attn": [], "skip_mlp": []}
 
     @classmethod
-    def validate(cls, config: dict[str, Any], model: ModelInfo) -> None:
+    def validate(
+        cls, config: dict[str, Any], model: ModelInfo, heads: dict[str, Any] | None = None
+    ) -> None:
         cls.make_plan(config, model)
 
     @staticmethod
     def make_plan(config: dict[str, Any], model: ModelInfo) -> LayerPlan:
         L = model.num_layers
-        skip_attn = list(config.get("skip_attn") or [])
-        skip_mlp = list(config.get("skip_mlp") or [])
-        E = config.get("exit_layer")
+        skip_attn = list(config["skip_attn"] or [])
+        skip_mlp = list(config["skip_mlp"] or [])
+        E = config["exit_layer"]
         if E is None:
             E = L if (skip_attn or skip_mlp) else max(1, L // 2)
         if not isinstance(E, int) or isinstance(E, bool) or not 1 <= E <= L:
@@ -47,8 +49,14 @@ class LayerSkipPolicy(Policy):
                 )
         return LayerPlan.skip(L, skip_attn, skip_mlp, exit_layer=E)
 
-    def __init__(self, config: dict[str, Any], model: ModelInfo, max_draft_tokens: int) -> None:
-        super().__init__(config, model, max_draft_tokens)
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model: ModelInfo,
+        max_draft_tokens: int,
+        heads: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config, model, max_draft_tokens, heads)
         self.decision = DraftDecision(self.make_plan(config, model), max_draft_tokens)
 
     def propose(self, state: Any) -> DraftDecision:

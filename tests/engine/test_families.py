@@ -1,0 +1,67 @@
+"""Model families beside Llama: Qwen2 (biased q/k/v projections) and Qwen3 (RMSNorms on q and k
+inside attention) keep vLLM's Llama decoder-layer form, so the engine drafts from their own layers
+the same way (``compat.LlamaLayout``). This checks that claim on the engine rather than assuming
+it.
+
+Tiny random-weight models (4 layers, 4 heads / 2 KV heads), with layers 2 and 3 passing the
+residual stream through, so an exit at layer 2 names the model's own next token: drafts are made
+and accepted by construction. Greedy output must equal vanilla vLLM's one request at a time and
+as a batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import vllm_selfspec
+from selfspec_testing import (
+    engine,
+    greedy_one_by_one_and_together,
+    save_built_heads,
+    save_passthrough_top,
+    save_tiny_model,
+)
+
+pytestmark = pytest.mark.engine
+VOCAB = 512
+KW = dict(
+    skip_tokenizer_init=True,
+    max_model_len=256,
+    max_num_seqs=8,
+    kv_cache_memory_bytes=1 << 27,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+)
+PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]} for i in range(6)
+]
+MAX_TOKENS = 24
+
+
+def _model(family: str, tmp_path) -> str:
+    random = save_tiny_model(tmp_path / "random", VOCAB, family)
+    return save_passthrough_top(random, tmp_path / "passthrough", keep=2)
+
+
+def _spec(method: str, model: str, tmp_path) -> dict:
+    if method == "layerskip":
+        return {"method": "layerskip", "exit_layer": 2, "num_speculative_tokens": 3}
+    # identity heads read the model's own LM head at their layer; a threshold below 1/VOCAB
+    # makes every head confident (exit 2 is exact, exit 1 mostly rejected)
+    heads = save_built_heads(model, tmp_path / "heads", "adadecode", (1, 2))
+    return {"method": "adadecode", "heads": heads, "threshold": 0.001, "num_speculative_tokens": 3}
+
+
+# one method per family keeps the suite short: both run the partial forward over the paged KV
+# cache; AdaDecode's rounds are also resumed by the target forward's finishing pass
+@pytest.mark.parametrize("family,method", [("qwen2", "layerskip"), ("qwen3", "adadecode")])
+def test_greedy_parity_on_another_family(family, method, tmp_path):
+    model = _model(family, tmp_path)
+    with engine(model, **KW) as llm:
+        vanilla = greedy_one_by_one_and_together(llm, PROMPTS, MAX_TOKENS)
+    with engine(model, speculative_config=_spec(method, model, tmp_path), **KW) as llm:
+        got = greedy_one_by_one_and_together(llm, PROMPTS, MAX_TOKENS)
+        stats = vllm_selfspec.get_stats(llm)
+    assert got == vanilla
+    assert stats["drafted_tokens"] > 0, "the drafter never ran"
+    assert stats["accepted_tokens"] > 0, "no draft was accepted: parity proved nothing"
