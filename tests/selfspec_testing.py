@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 
+from vllm_selfspec import compat
 from vllm_selfspec.bench import ENGINE_ARGS
 
 #: the engine settings every parity comparison shares (vanilla and self-spec alike): the bench's,
 #: with a 1 GiB KV cache (sized in bytes, so test engines start on any machine the README's
 #: requirements cover; ~22k tokens of the embedded model)
 ENGINE_KW = {**ENGINE_ARGS, "kv_cache_memory_bytes": 1 << 30}
+
+
+@contextlib.contextmanager
+def selfspec_log(caplog, level: int):
+    """``caplog`` for this project's logger. It is a child of vLLM's "vllm" logger, which does not
+    propagate to the root logger where caplog listens, so caplog's handler goes on it directly."""
+    logger = logging.getLogger(compat.LOGGER_NAME)
+    propagate, logger.propagate = logger.propagate, False  # each record once, where vLLM's
+    logger.addHandler(caplog.handler)  # logging is not configured too
+    try:
+        with caplog.at_level(level, logger=compat.LOGGER_NAME):
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
 
 
 @contextlib.contextmanager

@@ -133,6 +133,10 @@ from .policies import ModelInfo
 # must be able to refuse an unsupported vLLM before any of its internals is touched.
 
 SUPPORTED_VLLM = "0.32"
+#: this project's logger: a child of vLLM's "vllm" logger, the only one vLLM configures
+#: (vllm/logger.py, DEFAULT_LOGGING_CONFIG), so its records reach vLLM's handler and format and
+#: follow VLLM_LOGGING_LEVEL (a logger of its own would drop INFO records unseen)
+LOGGER_NAME = "vllm.selfspec"
 #: speculative_config.model of the drafter vLLM instantiates for a selfspec method
 PROPOSER_CLS = "vllm_selfspec.engine.proposer.SelfSpecProposer"
 #: the worker class the plugin wires in (resolved by qualname in every worker process, Ray included)

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from . import compat
 from .engine.stats import merge
 
-logger = logging.getLogger("vllm_selfspec")
+logger = logging.getLogger(compat.LOGGER_NAME)
 
 PREFIX = "vllm:selfspec_"
 RPC_TIMEOUT_S = 10.0

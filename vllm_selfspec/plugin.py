@@ -50,7 +50,7 @@ from .config import (
 )
 from .policies import POLICIES
 
-logger = logging.getLogger("vllm_selfspec")
+logger = logging.getLogger(compat.LOGGER_NAME)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from vllm import SamplingParams
 
 import vllm_selfspec
-from selfspec_testing import engine, save_passthrough_top, token_ids
+from selfspec_testing import engine, save_passthrough_top, selfspec_log, token_ids
 from vllm_selfspec.heads import HeadSet, identity_from_hf, make_head, save_heads
 
 pytestmark = pytest.mark.engine
@@ -98,7 +98,7 @@ def test_lossy_sampler_emits_drafts_unverified(model_path, cascade_heads, vanill
         "exit_layers": [12],
         "lossy": True,
     }
-    with caplog.at_level(logging.WARNING, logger="vllm_selfspec"):
+    with selfspec_log(caplog, logging.WARNING):
         got, stats = _run(model_path, spec)
     assert "LOSSY MODE" in caplog.text
     assert stats["drafted_tokens"] > 0

@@ -3,6 +3,7 @@ import logging
 import pytest
 import torch
 
+from selfspec_testing import selfspec_log
 from vllm_selfspec import compat, plugin
 from vllm_selfspec.engine.stats import EngineStats
 from vllm_selfspec.plugin import expand_batch_to_tokens
@@ -51,7 +52,7 @@ def _wrap(suffix):
 def test_a_patch_applies_once_is_logged_and_a_second_patch_is_refused(caplog):
     Owner = _owner()
     first = plugin.Patch(lambda: Owner, "greet", "says more", _wrap("+selfspec"))
-    with caplog.at_level(logging.INFO, logger="vllm_selfspec"):
+    with selfspec_log(caplog, logging.INFO):
         plugin.apply(first)
         plugin.apply(first)  # the same declaration again: nothing happens
     assert Owner().greet() == "vllm+selfspec"

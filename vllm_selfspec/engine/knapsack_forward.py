@@ -44,7 +44,7 @@ from .. import compat
 from ..models import home
 from ..policies.knapsack import LatencyModel
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(compat.LOGGER_NAME)
 
 #: context lengths at which attention is timed (capped by max_model_len)
 LATENCY_CONTEXTS = (16, 256, 1024, 4096)

@@ -45,7 +45,7 @@ from .stats import EngineStats, layer_computations
 
 #: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
 UNVERIFIED_REQUESTS_KEPT = 4096
-logger = logging.getLogger("vllm_selfspec")
+logger = logging.getLogger(compat.LOGGER_NAME)
 
 
 class PendingDraftProbs:
