@@ -67,9 +67,15 @@ def vanilla(tiny_model):
         return _sample(llm)
 
 
+def _assert_drafted(stats) -> None:
+    assert stats["drafted_tokens"] > 100, "few drafts: the distribution test would be vacuous"
+    assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
+
+
 def test_sampling_keeps_target_distribution(tiny_model, vanilla):
     with engine(tiny_model, speculative_config=SPEC, **KW) as llm:
         sampled, greedy = _sample(llm)
+        _assert_drafted(vllm_selfspec.get_stats(llm))
     assert greedy == vanilla[1], "greedy requests in a sampled batch changed"
     p = _min_pvalue(vanilla[0], sampled)
     assert p > ALPHA, f"self-spec sampling distribution differs from vanilla (p={p:.2e})"
@@ -84,6 +90,7 @@ def test_sampling_with_a_reduced_draft_vocabulary(tiny_model, vanilla, tmp_path)
     spec = {**SPEC, "draft_vocab_size": 8, "draft_vocab": str(vocab)}
     with engine(tiny_model, speculative_config=spec, **KW) as llm:
         sampled, greedy = _sample(llm)
+        _assert_drafted(vllm_selfspec.get_stats(llm))
     assert greedy == vanilla[1], "greedy requests in a sampled batch changed"
     p = _min_pvalue(vanilla[0], sampled)
     assert p > ALPHA, f"reduced-vocabulary drafts changed the distribution (p={p:.2e})"

@@ -17,6 +17,7 @@ VLLM_LAB = '{engine="0",model_name="smollm2"}'
 
 
 def test_served_greedy_equals_vanilla(served, vanilla_refs):
+    before = _counts(served)
     for i in (2, 9):  # a short prompt and one spanning two prefill chunks
         out = served.post(
             "/v1/completions",
@@ -30,6 +31,9 @@ def test_served_greedy_equals_vanilla(served, vanilla_refs):
         )
         assert out["choices"][0]["token_ids"] == vanilla_refs[i]["output"]
         assert out["choices"][0]["prompt_token_ids"] == vanilla_refs[i]["prompt"]
+    after = _counts(served)
+    assert after["sd"] > before["sd"], "the server never drafted: parity proved nothing"
+    assert after["sa"] > before["sa"], "no draft was accepted: parity proved nothing"
 
 
 def _counts(srv) -> dict[str, float]:
