@@ -17,8 +17,11 @@ V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/wo
   ``_sample`` (``SpecDecodeMetadata.max_spec_len``),
   ``take_draft_token_ids`` / ``_draft_token_ids``,
   ``_setup_eagle3_aux_hidden_state_outputs``,
-  ``_draft_probs`` / ``_draft_prob_req_ids`` (read
-  as ``_draft_probs[row, :n]``: any indexable works),
+  ``_get_spec_decode_draft_probs(spec_decode_metadata)``
+  (q rows in verification order; ``SpecDecodeMetadata
+  .{num_draft_tokens, draft_token_ids}``, -1: a
+  placeholder draft), ``SchedulerOutput
+  .preempted_req_ids``,
   ``use_aux_hidden_state_outputs``, ``input_batch``
   (``req_ids``, ``num_tokens_no_spec``,
   ``token_ids_cpu``, ``block_table[0]``), ``attn_groups``

@@ -71,6 +71,15 @@ COUNTERS = {
         "lookup_accepted_tokens",
         "Context-lookup draft tokens accepted (also in accepted_tokens).",
     ),
+    "draft_probs_missing": (
+        "draft_probs_missing",
+        "Sampled draft tokens verified without their draft distribution (as point masses: "
+        "exact, accepted less). Expected 0.",
+    ),
+    "placeholder_drafts": (
+        "placeholder_drafts",
+        "vLLM's placeholder drafts (-1) of requests padded at admission (not drafts).",
+    ),
     "controller_cut_tokens": (
         "controller_cut_tokens",
         "Draft tokens the policies proposed that the goodput controller did not let run.",

@@ -21,16 +21,17 @@ LAB = '{method="layerskip",model_name="smollm2"}'
 LIVE = f"vllm:selfspec_live_requests{LAB}"
 
 
-def _drafted_accepted(served) -> tuple[float, float]:
+def _drafted_accepted_missing(served) -> tuple[float, float, float]:
     m = parse_metrics(served.get("/metrics"))
     return (
         m[f"vllm:selfspec_drafted_tokens_total{LAB}"],
         m[f"vllm:selfspec_accepted_tokens_total{LAB}"],
+        m[f"vllm:selfspec_draft_probs_missing_total{LAB}"],
     )
 
 
 def test_load_with_aborts(served, vanilla_refs):
-    before = _drafted_accepted(served)
+    before = _drafted_accepted_missing(served)
     res = asyncio.run(
         run_load(
             served.url,
@@ -50,8 +51,12 @@ def test_load_with_aborts(served, vanilla_refs):
     assert "Traceback" not in log, log[log.index("Traceback") - 2000 :][:6000]
     assert not res.mismatches, res.mismatches[:3]
     assert res.greedy_checked >= 10 and res.aborted >= 3 and res.completed > res.greedy_checked
-    drafted, accepted = (a - b for a, b in zip(_drafted_accepted(served), before))
+    drafted, accepted, missing = (a - b for a, b in zip(_drafted_accepted_missing(served), before))
     assert drafted > 0 and accepted > 0, "no draft accepted under load: parity proved nothing"
+    # every sampled draft reached the rejection sampler with its q (requests padded at
+    # admission, aborts and chunked prefills mixed in)
+    assert missing == 0
+    assert "Missing cached draft probabilities" not in log
     deadline = time.monotonic() + 15  # the last removals reach the workers with the next step
     while (live := parse_metrics(served.get("/metrics"))[LIVE]) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -48,24 +48,6 @@ UNVERIFIED_REQUESTS_KEPT = 4096
 logger = logging.getLogger(compat.LOGGER_NAME)
 
 
-class PendingDraftProbs:
-    """The draft distributions q of every request whose drafts await verification, in the form
-    vLLM 0.32's runner reads them (``runner._draft_probs[row, :num_draft]``, rows by
-    ``runner._draft_prob_req_ids``; see compat.py). Greedy requests (None) read as zeros, which
-    the rejection sampler ignores for them."""
-
-    def __init__(self, rows: list[torch.Tensor | None], vocab_size: int) -> None:
-        self.rows, self.vocab_size = rows, vocab_size
-        self.device = next(q.device for q in rows if q is not None)
-
-    def __getitem__(self, key) -> torch.Tensor:
-        row, drafts = key
-        q = self.rows[row]
-        if q is None:
-            q = torch.zeros(drafts.stop, self.vocab_size, dtype=torch.float32, device=self.device)
-        return q[drafts]
-
-
 class CascadeWalks:
     """One Cascade draft round of a group of rows: before each draft step, how deep each row's
     walk may go (the policy's ``walk_cap`` for the token's prefix acceptance probability, and no
@@ -247,13 +229,44 @@ class SelfSpecProposer:
         if self.shared_index is not None:
             self.shared_index = SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
 
-    def take_draft_probs(self) -> tuple[PendingDraftProbs | None, list[str] | None]:
-        """What vLLM's runner reads at the next verification (``_draft_probs[row, :n]`` by
-        ``_draft_prob_req_ids``): every pending request's q, or None when all are greedy."""
-        if all(q is None for q in self._pending_q.values()):
-            return None, None
-        ids = list(self._pending_q)
-        return PendingDraftProbs([self._pending_q[r] for r in ids], self.info.vocab_size), ids
+    def draft_probs(self, req_ids: list[str], spec_decode_metadata) -> torch.Tensor | None:
+        """q of every draft token verified now, in the rejection sampler's order (vLLM's runner
+        asks at verification: ``_get_spec_decode_draft_probs``); None when no request verifying
+        drafts has a pending q (all greedy).
+
+        A verified request without a pending q gets point masses at its draft tokens. That is
+        exact for any drafting distribution: accepting x with probability p(x), else sampling
+        from p without x, yields p. It covers vLLM's placeholder drafts (-1, rejected unread:
+        a row of zeros), which the scheduler gives a request admitted with one token left to
+        compute, beside running decodes (vLLM's own lookup then dropped every request's q for
+        the whole step, with "Missing cached draft probabilities")."""
+        counts = spec_decode_metadata.num_draft_tokens
+        tokens = spec_decode_metadata.draft_token_ids
+        rows: list[torch.Tensor] = []
+        sampled, start = False, 0
+        for req_id, n in zip(req_ids, counts):
+            if not n:
+                continue
+            ids, start = tokens[start : start + n], start + n
+            q = self._pending_q.get(req_id)
+            if q is not None and q.shape[0] >= n:
+                rows.append(q[:n])
+                sampled = True
+            else:
+                point = torch.zeros(n, self.info.vocab_size, dtype=torch.float32, device=ids.device)
+                real = (ids >= 0).nonzero().squeeze(1)
+                point[real, ids[real].long()] = 1.0
+                rows.append(point)
+                self.stats.placeholder_drafts += n - len(real)
+                greedy = req_id in self._pending_q and q is None  # drafted; needs no q
+                if not greedy:
+                    self.stats.draft_probs_missing += len(real)
+        return torch.cat(rows).contiguous() if sampled else None
+
+    def forget_drafts(self, req_ids) -> None:
+        """The scheduler dropped these requests' drafts (preempted): their q is stale."""
+        for req_id in req_ids:
+            self._pending_q.pop(req_id, None)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -319,7 +332,8 @@ class SelfSpecProposer:
         with st.timer("policy"):
             for i, req_id, state in entries:
                 sampled = sampled_token_ids[i]
-                n_drafted = len(scheduled.get(req_id, ()))
+                # vLLM's -1 placeholder drafts (a request padded at admission) are not drafts
+                n_drafted = sum(t >= 0 for t in scheduled.get(req_id, ()))
                 n_accepted = len(sampled) - 1 if n_drafted else 0
                 matches = self._lookup_round.pop(req_id, None)
                 if matches is not None:  # lookup drafts: measured per match length

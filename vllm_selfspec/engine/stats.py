@@ -66,6 +66,11 @@ class EngineStats:
     # context-lookup drafts (lookup.py) verified, and of those accepted (also in the totals)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    # sampled draft tokens verified without their draft distribution q (point masses instead:
+    # exact, lower acceptance; expected 0), and vLLM's -1 placeholder drafts verified (requests
+    # the scheduler padded at admission; never drafted, never counted as drafts)
+    draft_probs_missing: int = 0
+    placeholder_drafts: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -105,6 +110,8 @@ class EngineStats:
             "controller_plain_steps": self.controller_plain_steps,
             "controller_probes": self.controller_probes,
             "lookup_drafted_tokens": self.lookup_drafted,
+            "draft_probs_missing": self.draft_probs_missing,
+            "placeholder_drafts": self.placeholder_drafts,
             "lookup_accepted_tokens": self.lookup_accepted,
             # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
             # the target (one per request and verification)

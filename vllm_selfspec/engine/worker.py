@@ -58,9 +58,15 @@ class SelfSpecRunnerMixin:
             spec_decode_metadata,
             common_attn_metadata,
         )
-        # q of sampled drafts, read back by _get_spec_decode_draft_probs at the next verification
-        self._draft_probs, self._draft_prob_req_ids = drafter.take_draft_probs()
         return drafts
+
+    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+        drafter = self._selfspec()
+        if drafter is None:
+            return super()._get_spec_decode_draft_probs(spec_decode_metadata)
+        # q of the drafts verified now, looked up at verification (vLLM's cache is a snapshot of
+        # the requests at propose time, which misses requests admitted since)
+        return drafter.draft_probs(self.input_batch.req_ids, spec_decode_metadata)
 
     def _model_forward(
         self,
@@ -124,6 +130,8 @@ class SelfSpecRunnerMixin:
         if drafter is None:
             return super().execute_model(*args, **kwargs)
         self._selfspec_t0 = time.perf_counter()  # the proposer times the target forward from here
+        scheduler_output = args[0] if args else kwargs["scheduler_output"]
+        drafter.forget_drafts(scheduler_output.preempted_req_ids or ())
         with drafter.stats.timer("step"):
             return super().execute_model(*args, **kwargs)
 
@@ -149,9 +157,11 @@ class UnverifiedAcceptance:
         self.sampler = sampler
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
-        if metadata.draft_token_ids.numel():
+        drafted = metadata.draft_token_ids.to(logits.device)
+        real = drafted >= 0  # not vLLM's -1 placeholders (a request padded at admission)
+        if real.any():
             rows = metadata.target_logits_indices.to(logits.device)
-            logits[rows, metadata.draft_token_ids.to(logits.device)] = self.BOOST
+            logits[rows[real], drafted[real]] = self.BOOST
         return self.sampler(metadata, draft_probs, logits, sampling_metadata)
 
     def __getattr__(self, name):  # everything else is the wrapped sampler's
