@@ -126,10 +126,8 @@ def serve(argv: list[str]) -> int:
     from . import compat
 
     compat.answer_vllm_metadata_with_cpu_build()
-    from vllm.entrypoints.cli.main import main as vllm_main
-
     sys.argv = ["vllm", "serve", *argv]
-    vllm_main()
+    compat.vllm_cli_main()()
     return 0
 
 

