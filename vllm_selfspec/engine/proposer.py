@@ -232,36 +232,32 @@ class SelfSpecProposer:
     def draft_probs(self, req_ids: list[str], spec_decode_metadata) -> torch.Tensor | None:
         """q of every draft token verified now, in the rejection sampler's order (vLLM's runner
         asks at verification: ``_get_spec_decode_draft_probs``); None when no request verifying
-        drafts has a pending q (all greedy).
+        drafts has a q (all greedy): the sampler then reads none.
 
-        A verified request without a pending q gets point masses at its draft tokens. That is
-        exact for any drafting distribution: accepting x with probability p(x), else sampling
-        from p without x, yields p. It covers vLLM's placeholder drafts (-1, rejected unread:
-        a row of zeros), which the scheduler gives a request admitted with one token left to
-        compute, beside running decodes (vLLM's own lookup then dropped every request's q for
-        the whole step, with "Missing cached draft probabilities")."""
-        counts = spec_decode_metadata.num_draft_tokens
+        A verified request without a q gets point masses at its draft tokens. That is exact for
+        any drafting distribution: accepting x with probability p(x), else sampling from p
+        without x, yields p (a greedy request's q is not read at all). It covers vLLM's
+        placeholder drafts (-1, rejected unread: a row of zeros), which the scheduler gives a
+        request admitted with one token left to compute, beside running decodes (vLLM's own
+        lookup then dropped every request's q for the whole step, with "Missing cached draft
+        probabilities")."""
+        verified = [(r, n) for r, n in zip(req_ids, spec_decode_metadata.num_draft_tokens) if n]
+        qs = [self._pending_q.get(r) for r, _ in verified]
+        like = next((q for q in qs if q is not None), None)
+        if like is None:
+            return None
         tokens = spec_decode_metadata.draft_token_ids
         rows: list[torch.Tensor] = []
-        sampled, start = False, 0
-        for req_id, n in zip(req_ids, counts):
-            if not n:
-                continue
+        start = 0
+        for (_, n), q in zip(verified, qs):
             ids, start = tokens[start : start + n], start + n
-            q = self._pending_q.get(req_id)
             if q is not None and q.shape[0] >= n:
                 rows.append(q[:n])
-                sampled = True
-            else:
-                point = torch.zeros(n, self.info.vocab_size, dtype=torch.float32, device=ids.device)
-                real = (ids >= 0).nonzero().squeeze(1)
-                point[real, ids[real].long()] = 1.0
-                rows.append(point)
-                self.stats.placeholder_drafts += n - len(real)
-                greedy = req_id in self._pending_q and q is None  # drafted; needs no q
-                if not greedy:
-                    self.stats.draft_probs_missing += len(real)
-        return torch.cat(rows).contiguous() if sampled else None
+                continue
+            point = like.new_zeros(n, like.shape[1])
+            point.scatter_(1, ids.clamp(min=0).long()[:, None], (ids >= 0).to(like.dtype)[:, None])
+            rows.append(point)
+        return torch.cat(rows)
 
     def forget_drafts(self, req_ids) -> None:
         """The scheduler dropped these requests' drafts (preempted): their q is stale."""
@@ -303,7 +299,6 @@ class SelfSpecProposer:
         for i, req_id in enumerate(req_ids):
             if not sampled_token_ids[i]:  # a prefill chunk that sampled nothing, or discarded
                 continue
-            self._pending_q.pop(req_id, None)  # its drafts (if any) were verified just now
             state = self.states.get(req_id)
             if state is None:
                 state = self.states[req_id] = self.policy.new_state()
@@ -333,7 +328,14 @@ class SelfSpecProposer:
             for i, req_id, state in entries:
                 sampled = sampled_token_ids[i]
                 # vLLM's -1 placeholder drafts (a request padded at admission) are not drafts
-                n_drafted = sum(t >= 0 for t in scheduled.get(req_id, ()))
+                verified = scheduled.get(req_id, ())
+                n_drafted = sum(t >= 0 for t in verified)
+                st.placeholder_drafts += len(verified) - n_drafted
+                if (
+                    req_id not in self._pending_q
+                ):  # every drafting request leaves one (greedy: None)
+                    st.draft_probs_missing += n_drafted
+                self._pending_q.pop(req_id, None)  # its drafts (if any) were verified just now
                 n_accepted = len(sampled) - 1 if n_drafted else 0
                 matches = self._lookup_round.pop(req_id, None)
                 if matches is not None:  # lookup drafts: measured per match length

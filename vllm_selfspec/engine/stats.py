@@ -66,9 +66,9 @@ class EngineStats:
     # context-lookup drafts (lookup.py) verified, and of those accepted (also in the totals)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
-    # sampled draft tokens verified without their draft distribution q (point masses instead:
-    # exact, lower acceptance; expected 0), and vLLM's -1 placeholder drafts verified (requests
-    # the scheduler padded at admission; never drafted, never counted as drafts)
+    # draft tokens verified whose request left no draft distribution q (a sampled one's go as
+    # point masses: exact, lower acceptance; expected 0), and vLLM's -1 placeholder drafts
+    # verified (requests the scheduler padded at admission; never drafted, not counted as drafts)
     draft_probs_missing: int = 0
     placeholder_drafts: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))

@@ -1,6 +1,6 @@
-"""Heads for the embedded model (SmolLM2-135M-Instruct): their default exit layers and their cache
+"""Heads for the embedded model (SmolLM2-135M-Instruct): their default exit layers, their cache
 directory, ``$VLLM_SELFSPEC_HOME/heads/<model>-<kind>/`` (``vllm-selfspec train-heads`` writes
-there by default).
+there by default), and the lookup of a model's cached heads (``cached_heads``).
 
 Default exits 8, 12, 16, 20, 24 of 30 layers (27%–80% depth, every 4 layers): below ~8 even a
 trained head rarely agrees with the final layer (CascadeExit reports 41% at 29% depth), above 24
