@@ -49,6 +49,9 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   scheduled_spec_decode_tokens}``,                       verification outcomes; context lookup's
   ``input_batch.num_prompt_tokens``,                      shared index (outputs only) and its
   ``sampling_metadata.{all_greedy, temperature}``         point-mass q for sampled requests
+``sampling_metadata.generators`` (rows of seeded          those rows draft nothing (reproducible);
+  sampled requests), ``runner.requests[id]               drafts end before min_tokens (the bonus
+  .sampling_params.min_tokens``                          token's EOS mask, vLLM issue #41758)
 ``GPUModelRunner._model_forward``,                      AdaDecode's finishing pass replaces the
   ``query_start_loc.np``,
   ``input_batch.{num_reqs, num_computed_tokens_cpu,       target forward (engine/adadecode.py)

@@ -80,6 +80,11 @@ COUNTERS = {
         "placeholder_drafts",
         "vLLM's placeholder drafts (-1) of requests padded at admission (not drafts).",
     ),
+    "seeded_rounds": (
+        "seeded_rounds",
+        "Rounds of sampled requests with their own seed, decoded without drafts so that their "
+        "output is reproducible run to run.",
+    ),
     "controller_cut_tokens": (
         "controller_cut_tokens",
         "Draft tokens the policies proposed that the goodput controller did not let run.",

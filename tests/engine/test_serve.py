@@ -1,10 +1,12 @@
 """`vllm serve` with a selfspec config file: greedy completions equal vanilla vLLM's, and the
 selfspec metrics appear on /metrics beside vLLM's own spec-decode counters, with the same
-drafted/accepted counts."""
+drafted/accepted counts; bad request parameters get an OpenAI-style 400, not a 500."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
 
 import pytest
 
@@ -87,3 +89,29 @@ def test_metrics_selfspec_and_vllm_counters(served):
         for p in ("draft", "verify", "policy", "shadow")
     ]
     assert shares[0] > 0 and shares[1] > 0 and sum(shares) == pytest.approx(1, abs=0.01)
+
+
+#: request parameters the server must refuse with an OpenAI-style 400 (and go on serving):
+#: vLLM's own checks, including its refusal of min_p / logit_bias under speculative decoding
+BAD_REQUESTS = {
+    "min_p": {"min_p": 0.1},
+    "logit_bias": {"logit_bias": {"11": 5}},
+    "negative temperature": {"temperature": -1},
+    "top_p above 1": {"top_p": 1.5},
+    "too many logprobs": {"logprobs": 1000},
+    "max_tokens past the context": {"max_tokens": 100_000},
+    "n of 0": {"n": 0},
+    "invalid JSON schema": {"structured_outputs": {"json": {"type": "no-such-type"}}},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_parameters_get_a_400(served, case):
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, **BAD_REQUESTS[case]}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        served.post("/v1/completions", body)
+    assert err.value.code == 400, err.value.read().decode()
+    answer = json.loads(err.value.read())
+    assert answer["error"]["code"] == 400 and answer["error"]["message"]
+    ok = served.post("/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+    assert len(ok["choices"][0]["text"]) > 0

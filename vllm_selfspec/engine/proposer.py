@@ -48,6 +48,29 @@ UNVERIFIED_REQUESTS_KEPT = 4096
 logger = logging.getLogger(compat.LOGGER_NAME)
 
 
+def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The rejection sampler's q rows for one request's verified draft tokens ``ids``, from the q
+    its drafts were drawn with (None: none kept).
+
+    vLLM may verify fewer or other tokens than were drafted: it cuts drafts at the first one
+    its structured-output grammar refuses and pads the rest with -1, and pads requests admitted
+    with one token left with -1. A -1 is rejected, and the token sampled in its place comes from
+    ``max(p - q, 0)``: its q row must be zeros, or that token would come from a distribution
+    other than p. Drafts without a q go as point masses at their tokens (exact for any drafting
+    distribution: x is accepted with probability p(x), else the token comes from p without x).
+
+    >>> verified_q(torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]), torch.tensor([1, -1]), None)
+    tensor([[0.5000, 0.5000, 0.0000],
+            [0.0000, 0.0000, 0.0000]])
+    """
+    n = len(ids)
+    valid = (ids >= 0)[:, None]
+    if q is not None and q.shape[0] >= n:
+        return q[:n] * valid.to(q.dtype)
+    point = like.new_zeros(n, like.shape[1])
+    return point.scatter_(1, ids.clamp(min=0).long()[:, None], valid.to(like.dtype))
+
+
 class CascadeWalks:
     """One Cascade draft round of a group of rows: before each draft step, how deep each row's
     walk may go (the policy's ``walk_cap`` for the token's prefix acceptance probability, and no
@@ -251,12 +274,7 @@ class SelfSpecProposer:
         start = 0
         for (_, n), q in zip(verified, qs):
             ids, start = tokens[start : start + n], start + n
-            if q is not None and q.shape[0] >= n:
-                rows.append(q[:n])
-                continue
-            point = like.new_zeros(n, like.shape[1])
-            point.scatter_(1, ids.clamp(min=0).long()[:, None], (ids >= 0).to(like.dtype)[:, None])
-            rows.append(point)
+            rows.append(verified_q(q, ids, like))
         return torch.cat(rows)
 
     def forget_drafts(self, req_ids) -> None:
@@ -395,12 +413,28 @@ class SelfSpecProposer:
             if self.search_budget is not None:
                 self.search_budget.spend(time.perf_counter() - t_search)
         lookups: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (tokens, matches)
+        # sampled requests with their own seed draft nothing: the rejection sampler draws from
+        # the request's generator once per draft token, and how many drafts a request gets
+        # depends on timing (the controller) and the batch, so its output would not be
+        # reproducible run to run, as vanilla vLLM's is (vLLM keeps only such rows' generators)
+        seeded = sampling_metadata.generators
         with st.timer("policy"):
             for i, req_id, state in entries:
                 n = int(num_tokens[i])
                 decision = self.policy.propose(state)
                 # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
                 room = min(self.k, self.max_model_len - n)
+                if i in seeded:
+                    room = 0
+                    st.seeded_rounds += 1
+                # min_tokens: vLLM 0.32 masks the stop tokens of a verification's bonus token by
+                # the output length before the step, so a bonus token at or past min_tokens
+                # could not be EOS where vanilla's could (vLLM issue #41758); drafts end before
+                min_tokens = runner.requests[req_id].sampling_params.min_tokens
+                if min_tokens:
+                    outputs = n - int(ib.num_prompt_tokens[i])
+                    if outputs < min_tokens:
+                        room = min(room, min_tokens - 1 - outputs)
                 g = min(decision.num_tokens, room)
                 active.append((i, decision, max(g, 0)))
                 if self.lookup and room > 0:

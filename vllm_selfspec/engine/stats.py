@@ -71,6 +71,8 @@ class EngineStats:
     # verified (requests the scheduler padded at admission; never drafted, not counted as drafts)
     draft_probs_missing: int = 0
     placeholder_drafts: int = 0
+    # rounds of sampled requests with their own seed, decoded without drafts (reproducibility)
+    seeded_rounds: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -112,6 +114,7 @@ class EngineStats:
             "lookup_drafted_tokens": self.lookup_drafted,
             "draft_probs_missing": self.draft_probs_missing,
             "placeholder_drafts": self.placeholder_drafts,
+            "seeded_rounds": self.seeded_rounds,
             "lookup_accepted_tokens": self.lookup_accepted,
             # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
             # the target (one per request and verification)

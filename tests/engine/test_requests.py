@@ -1,0 +1,181 @@
+"""What vLLM's users send beside plain greedy requests: each gives vanilla vLLM's result.
+
+A vanilla engine and a self-speculative one (LayerSkip, exit 28, 3 drafts every round: about half
+of them rejected, so every parameter meets accepted and rejected drafts) run the same requests,
+with a KV cache too small for them, so that the scheduler preempts and recomputes requests:
+
+* one mixed batch of every case of ``CASES`` (penalties, stop strings and tokens, logprobs,
+  ``n > 1``, a seed, JSON-schema / regex / choice structured output, long requests that get
+  preempted, ...): the same tokens, text, finish reasons and logprobs as vanilla's;
+* the seeded request once more on its own: a seed reproduces its output whatever else runs
+  (sampled requests with a seed draft nothing, ``engine/proposer.py``; with drafts it changed
+  from run to run).
+
+``min_p`` and ``logit_bias`` are refused by vLLM itself for every speculative method (a 400 from
+the server: ``test_serve.py``); the test checks that they still are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import StructuredOutputsParams
+
+import vllm_selfspec
+from selfspec_testing import engine
+
+pytestmark = pytest.mark.engine
+
+SPEC = {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 3}
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "Dear Sir,"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+}
+#: long requests for a KV cache of 12 blocks of 32 tokens: the scheduler preempts them
+LONG_PROMPTS = [
+    "Once upon a time",
+    "The history of Rome",
+    "def quicksort(xs):",
+    "List of fruits:",
+    "Why is the sky blue?",
+    "In a small village",
+]
+ENGINE = dict(  # 46080 bytes a token: 30 layers x K and V x 3 KV heads x 64 x 4 bytes
+    max_num_seqs=8, max_model_len=256, block_size=32, kv_cache_memory_bytes=12 * 32 * 46080
+)
+JSON_PROMPT = "Give me a JSON record for Ada Lovelace:"
+GREEDY = dict(temperature=0, max_tokens=24)
+SEEDED = SamplingParams(temperature=0.8, max_tokens=24, seed=1234)
+#: name -> (sampling parameters, prompts)
+CASES = {
+    "greedy": (SamplingParams(**GREEDY), PROMPTS),
+    "repetition_penalty": (SamplingParams(**GREEDY, repetition_penalty=1.3), PROMPTS),
+    "presence_frequency": (
+        SamplingParams(**GREEDY, presence_penalty=1.0, frequency_penalty=0.7),
+        PROMPTS,
+    ),
+    "top_k_top_p": (SamplingParams(**GREEDY, top_k=5, top_p=0.5), PROMPTS),
+    "bad_words": (SamplingParams(**GREEDY, bad_words=[" the", " a"]), PROMPTS),
+    "stop_strings": (SamplingParams(**GREEDY, stop=[".", "\n\n"]), PROMPTS),
+    "stop_included": (
+        SamplingParams(**GREEDY, stop=["."], include_stop_str_in_output=True),
+        PROMPTS,
+    ),
+    "stop_token_ids": (SamplingParams(**GREEDY, stop_token_ids=[198]), PROMPTS),  # "\n"
+    "max_tokens_1": (SamplingParams(temperature=0, max_tokens=1), PROMPTS),
+    "ignore_eos": (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), PROMPTS),
+    "min_tokens": (SamplingParams(temperature=0, max_tokens=32, min_tokens=28), PROMPTS),
+    "logprobs": (SamplingParams(**GREEDY, logprobs=5, prompt_logprobs=3), PROMPTS),
+    "seed": (SEEDED, PROMPTS[:1]),
+    "seed_n3": (SamplingParams(temperature=0.8, max_tokens=16, n=3, seed=5), PROMPTS[:2]),
+    "json_schema": (
+        SamplingParams(
+            temperature=0, max_tokens=96, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        ),
+        [JSON_PROMPT, "Describe a programmer as JSON:"],
+    ),
+    "regex": (
+        SamplingParams(
+            **GREEDY,
+            structured_outputs=StructuredOutputsParams(
+                regex=r"(Monday|Friday)( [0-9]{2}:[0-9]{2})?"
+            ),
+        ),
+        ["The meeting is on", "Which day? Answer:"],
+    ),
+    "preempted": (SamplingParams(temperature=0, max_tokens=96, ignore_eos=True), LONG_PROMPTS),
+    "choice": (
+        SamplingParams(
+            **GREEDY, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])
+        ),
+        ["Is the sky blue? Answer:", "Is water dry? Answer:"],
+    ),
+}
+#: logprobs are the target's: equal up to float32 rounding of differently shaped forwards
+LOGPROB_TOL = 1e-4
+
+
+def _logprobs(entries) -> list:
+    return [None if e is None else {t: v.logprob for t, v in e.items()} for e in entries or []]
+
+
+def _outcome(req) -> dict:
+    return {
+        "outputs": [
+            (list(c.token_ids), c.text, c.finish_reason, _logprobs(c.logprobs)) for c in req.outputs
+        ],
+        "prompt_logprobs": _logprobs(req.prompt_logprobs),
+    }
+
+
+def _run(llm) -> dict:
+    prompts, params, names = [], [], []
+    for name, (sp, ps) in CASES.items():
+        prompts += ps
+        params += [sp] * len(ps)
+        names += [name] * len(ps)
+    together: dict[str, list] = {name: [] for name in CASES}
+    for name, req in zip(names, llm.generate(prompts, params, use_tqdm=False)):
+        together[name].append(_outcome(req))
+    alone = _outcome(llm.generate(PROMPTS[:1], SEEDED, use_tqdm=False)[0])
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    return {"together": together, "seed_alone": alone, "preemptions": preemptions}
+
+
+def _assert_same(got, want, where: str) -> None:
+    assert len(got["outputs"]) == len(want["outputs"]), where
+    for (tok, text, fin, lps), (wtok, wtext, wfin, wlps) in zip(got["outputs"], want["outputs"]):
+        assert (tok, text, fin) == (wtok, wtext, wfin), where
+        _assert_logprobs_close(lps, wlps, where)
+    _assert_logprobs_close(got["prompt_logprobs"], want["prompt_logprobs"], where + " (prompt)")
+
+
+def _assert_logprobs_close(got, want, where: str) -> None:
+    assert len(got) == len(want), where
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None, where
+            continue
+        assert g.keys() == w.keys(), where
+        assert all(abs(g[t] - w[t]) <= LOGPROB_TOL for t in w), where
+
+
+@pytest.fixture(scope="module")
+def vanilla(model_path):
+    with engine(model_path, **ENGINE) as llm:
+        return _run(llm)
+
+
+def test_request_parameters_give_vanillas_output(model_path, vanilla):
+    with engine(model_path, speculative_config=SPEC, **ENGINE) as llm:
+        got = _run(llm)
+        stats = vllm_selfspec.get_stats(llm)
+        for refused in (SamplingParams(min_p=0.1), SamplingParams(logit_bias={11: 1.0})):
+            with pytest.raises(VLLMValidationError, match="not yet supported with speculative"):
+                llm.generate(PROMPTS[:1], refused, use_tqdm=False)
+    assert stats["drafted_tokens"] > 0 and stats["accepted_tokens"] > 0, (
+        "nothing drafted or accepted: the comparison proved nothing"
+    )
+    assert stats["accepted_tokens"] < stats["drafted_tokens"], "no draft was rejected"
+    assert stats["seeded_rounds"] > 0
+    assert got["preemptions"] > 0, "the KV cache held every request: nothing was preempted"
+    for name in CASES:
+        for i, (g, w) in enumerate(zip(got["together"][name], vanilla["together"][name])):
+            _assert_same(g, w, f"{name}, prompt {i}")
+    # a seed reproduces the request's output whatever runs beside it, as in vanilla vLLM
+    _assert_same(got["seed_alone"], vanilla["seed_alone"], "seeded request alone")
+    _assert_same(got["seed_alone"], got["together"]["seed"][0], "seeded request in the batch")
+    # structured output is valid where it finished
+    for out in got["together"]["json_schema"]:
+        tok, text, fin, _ = out["outputs"][0]
+        if fin == "stop":
+            assert set(json.loads(text)) >= set(SCHEMA["required"])
