@@ -16,7 +16,7 @@ from vllm_selfspec.loadtest import run_load
 from vllm_selfspec.serving import parse_metrics
 
 pytestmark = pytest.mark.engine
-DURATION_S, CONCURRENCY, ABORT_PROB = 75, 32, 0.25
+DURATION_S, CONCURRENCY, ABORT_PROB = 50, 32, 0.25
 LAB = '{method="layerskip",model_name="smollm2"}'
 LIVE = f"vllm:selfspec_live_requests{LAB}"
 

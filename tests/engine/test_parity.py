@@ -39,7 +39,7 @@ SETTINGS = dict(
     enable_chunked_prefill=True,
     max_num_batched_tokens=128,
 )
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 CONFIGS = {
     "full": {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3},
     "shallow": {"method": "layerskip", "exit_layer": 6, "num_speculative_tokens": 4},

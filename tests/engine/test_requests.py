@@ -1,7 +1,7 @@
 """What vLLM's users send beside plain greedy requests: each gives vanilla vLLM's result.
 
-A vanilla engine and a self-speculative one (LayerSkip, exit 28, 3 drafts every round: about half
-of them rejected, so every parameter meets accepted and rejected drafts) run the same requests,
+A vanilla engine and a self-speculative one (LayerSkip, exit 24, 2 drafts every round: most of
+them rejected, so every parameter meets accepted and rejected drafts) run the same requests,
 with a KV cache too small for them, so that the scheduler preempts and recomputes requests:
 
 * one mixed batch of every case of ``CASES`` (penalties, stop strings and tokens, logprobs,
@@ -29,7 +29,7 @@ from selfspec_testing import engine
 
 pytestmark = pytest.mark.engine
 
-SPEC = {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 3}
+SPEC = {"method": "layerskip", "exit_layer": 24, "num_speculative_tokens": 2}
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Once upon a time", "Dear Sir,"]
 SCHEMA = {
     "type": "object",
@@ -40,7 +40,7 @@ SCHEMA = {
     },
     "required": ["name", "age", "languages"],
 }
-#: long requests for a KV cache of 12 blocks of 32 tokens: the scheduler preempts them
+#: long requests for a KV cache of 10 blocks of 32 tokens: the scheduler preempts them
 LONG_PROMPTS = [
     "Once upon a time",
     "The history of Rome",
@@ -50,7 +50,7 @@ LONG_PROMPTS = [
     "In a small village",
 ]
 ENGINE = dict(  # 46080 bytes a token: 30 layers x K and V x 3 KV heads x 64 x 4 bytes
-    max_num_seqs=8, max_model_len=256, block_size=32, kv_cache_memory_bytes=12 * 32 * 46080
+    max_num_seqs=8, max_model_len=256, block_size=32, kv_cache_memory_bytes=10 * 32 * 46080
 )
 JSON_PROMPT = "Give me a JSON record for Ada Lovelace:"
 GREEDY = dict(temperature=0, max_tokens=24)
@@ -92,7 +92,7 @@ CASES = {
         ),
         ["The meeting is on", "Which day? Answer:"],
     ),
-    "preempted": (SamplingParams(temperature=0, max_tokens=96, ignore_eos=True), LONG_PROMPTS),
+    "preempted": (SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), LONG_PROMPTS),
     "choice": (
         SamplingParams(
             **GREEDY, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])
