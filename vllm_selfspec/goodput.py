@@ -36,10 +36,14 @@ drafts keep failing drafts nothing; every ``probe_every`` steps (doubling while 
 such request drafts a token again, so its estimate can recover (self-drafts and lookup drafts
 each on their own clock).
 
-The safety net compares what speculation *achieved* with plain decoding at the same batch size:
-each speculative step's emitted tokens per second over the fitted plain step's (``B / V(B)``).
-While that ratio's running mean is below 1 the controller drafts nothing but probes, so a wrong
-cost or acceptance estimate costs a few steps, not a run.
+The safety net compares what speculation *achieved* with plain decoding at the same batch size,
+both in wall-clock seconds of whole engine cycles (one proposer call to the next: the drafting,
+the scheduler, the verifying forward, the rejection sampler and vLLM's bookkeeping, all in):
+each speculative cycle's emitted tokens per second over a plain cycle's at its batch size, the
+fitted ``B / V(B)`` corrected by what plain cycles measured beyond it (``PlainReference``;
+without plain cycles in the last ``plain_every`` steps, the controller runs one). While that
+ratio's running mean is below 1 the controller drafts nothing but probes, so a wrong cost or
+acceptance estimate, or a cost the model does not see, costs a few steps, not a run.
 """
 
 from __future__ import annotations
@@ -246,6 +250,38 @@ class Choice:
 
 
 @dataclass
+class PlainReference:
+    """The live figure of a plain cycle's wall seconds: the target line's ``V(B)`` plus what
+    plain cycles measured beyond it (the scheduler, sampling, vLLM's bookkeeping; or minus, where
+    verification steps bent the line up), a decayed mean over plain cycles. The target line alone
+    sees only the forward: measured against it, speculative cycles looked 10-30% better than the
+    wall clock said (docs/benchmarks.md, "Goodput")."""
+
+    DECAY = 0.9
+    #: a cycle this many times longer than predicted held an idle gap (no requests): not a sample
+    MAX_RATIO = 4.0
+    over: float = 0.0  # decayed sum of (measured - V(B)) over plain cycles
+    count: float = 0.0
+    since: int = 0  # steps since the last plain cycle
+
+    def add(self, predicted: float, seconds: float) -> None:
+        if seconds > self.MAX_RATIO * predicted:
+            return
+        self.over = self.DECAY * self.over + (seconds - predicted)
+        self.count = self.DECAY * self.count + 1.0
+        self.since = 0
+
+    @property
+    def overhead(self) -> float:
+        """Measured minus predicted seconds of a plain cycle (0 before any was measured)."""
+        return self.over / self.count if self.count > 0 else 0.0
+
+    def seconds(self, predicted: float) -> float:
+        """A plain cycle's seconds where the target line predicts ``predicted``."""
+        return max(0.5 * predicted, predicted + self.overhead)
+
+
+@dataclass
 class SafetyNet:
     """The measured record of one kind of speculative step (self-drafts or lookup drafts only):
 
@@ -371,17 +407,23 @@ class GoodputController:
     #: a kind of draft measured slower than plain pauses this long first (then doubling)
     pause: int = 32
     max_pause: int = 1024
+    #: a plain cycle at least this often (a forced one where none was chosen), to keep the
+    #: safety net's reference measured
+    plain_every: int = 64
     _probe_turn: int = 0
     _probe_interval: int = 0
     _free_interval: int = 0  # the same for lookup drafts
     _free_idle: int = 0  # steps since a lookup draft was chosen or probed
     _pending: Choice | None = None
+    _plain_pending: bool = False  # the last choice drafted nothing: its cycle measures plain
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
         #: self-drafter must not stop free drafts, nor the other way round
         self.nets = {kind: SafetyNet(self.pause, self.max_pause) for kind in ("paid", "free")}
         self._probe_interval = self._free_interval = self.probe_every
+        self.plain = PlainReference()
+        self.plain_refreshes = 0  # plain cycles the controller forced
 
     @property
     def achieved(self) -> float:
@@ -418,11 +460,19 @@ class GoodputController:
             and not all(c.free for c in cands if c.max_tokens)
         ):
             # nothing measured yet: one draft token per request, so the costs get measured
-            return Choice(
-                [min(1, c.max_tokens) for c in cands], float("nan"), float("nan"), float("nan")
-            )
+            tokens = [min(1, c.max_tokens) for c in cands]
+            self._plain_pending = not any(tokens)
+            return Choice(tokens, float("nan"), float("nan"), float("nan"))
         v0, v1 = line
-        plain = v0 + v1 * base
+        plain = self.plain.seconds(v0 + v1 * base)
+        self.plain.since += 1
+        if self.plain.since > self.plain_every:  # no plain cycle measured for a while: one now
+            self.plain.since = 0
+            self.plain_refreshes += 1
+            for net in self.nets.values():
+                net.tick(False)
+            self._pending, self._plain_pending = None, True
+            return Choice([0] * n, float(n), plain, plain)
         paid, free = self.nets["paid"], self.nets["free"]
         # a paused kind of draft is left out; each kind's estimates are scaled by its record
         scaled = []
@@ -468,6 +518,7 @@ class GoodputController:
         for kind, net in self.nets.items():
             net.tick(best.kind == kind)
         self._pending = best if best.kind else None
+        self._plain_pending = not any(best.tokens)
         return best
 
     def _clears_margin(self, choice: Choice, base: float) -> bool:
@@ -552,15 +603,31 @@ class GoodputController:
     # ---- what happened ---------------------------------------------------------------------
     def settle(self, emitted: int, requests: int, seconds: float) -> None:
         """The step that verified the last choice emitted ``emitted`` tokens for ``requests``
-        requests and took ``seconds`` (its target forward + the draft steps before it)."""
+        requests, ``seconds`` of wall clock after the choice was made (its draft steps, the
+        engine's cycle, the verifying forward). A choice without drafts measures plain decoding."""
         choice, self._pending = self._pending, None
-        if choice is None or seconds <= 0 or requests <= 0:
+        plain_cycle, self._plain_pending = self._plain_pending, False
+        predicted = self.costs.target_seconds(requests)
+        if seconds <= 0 or requests <= 0 or predicted is None or predicted <= 0:
             return
-        plain = self.costs.target_seconds(requests)
-        if plain is not None and plain > 0:
-            self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
+        if plain_cycle:
+            self.plain.add(predicted, seconds)
+        if choice is None:
+            return
+        plain = self.plain.seconds(predicted)
+        expected = choice.expected_seconds
+        if seconds > PlainReference.MAX_RATIO * max(plain, 0 if math.isnan(expected) else expected):
+            return  # an idle gap in the cycle: not what the drafts cost
+        self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
 
     def state(self) -> dict:
+        return {
+            "plain_refreshes": self.plain_refreshes,
+            "plain_overhead_s": self.plain.overhead,
+            **self._net_state(),
+        }
+
+    def _net_state(self) -> dict:
         return {
             kind: {
                 "achieved": net.achieved,

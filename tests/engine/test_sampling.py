@@ -257,3 +257,48 @@ def test_lookup_drafts_passed_off_as_sampled_drafts_are_detected(
         got = _sample_two(llm)
     p = _lookup_pvalue(vanilla_hot, got)
     assert p < ALPHA, f"lookup drafts with a wrong q went undetected (p={p:.2e})"
+
+
+#: top-k, top-p and penalties at T = 1.5 (where the peaked tiny model spreads its mass), each on
+#: a prompt of its own so that the histograms of one position are of one parameter set. Drafts
+#: are drawn from softmax(logits / T) over the whole vocabulary, without the truncation or the
+#: penalties: vLLM's rejection sampler applies both to the target's p, so drafts outside the top
+#: k (or p) are always rejected and the output follows the truncated, penalised distribution.
+FILTERED = {
+    "top_k": (dict(top_k=2), [1, 5, 9, 2, 7]),
+    "top_p": (dict(top_p=0.6), [2, 8, 4, 11]),
+    "penalties": (
+        dict(repetition_penalty=1.8, presence_penalty=1.0, frequency_penalty=0.5),
+        [6, 3, 12, 1],
+    ),
+}
+
+
+def _sample_filtered(llm, control: bool = False) -> dict[str, np.ndarray]:
+    """N samples of each ``FILTERED`` case (``control``: and of its prompt without the case's
+    parameters, under "<name>/plain")."""
+    prompts, params, names = [], [], []
+    for name, (kw, ids) in FILTERED.items():
+        cases = [(name, kw)] + ([(f"{name}/plain", {})] if control else [])
+        for case, extra in cases:
+            sp = SamplingParams(temperature=HOT, max_tokens=MAX_TOKENS, ignore_eos=True, **extra)
+            prompts += [{"prompt_token_ids": ids}] * N
+            params += [sp] * N
+            names.append(case)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])
+    return {name: tokens[i * N : (i + 1) * N] for i, name in enumerate(names)}
+
+
+def test_top_k_top_p_and_penalties_keep_the_target_distribution(tiny_model):
+    with engine(tiny_model, **KW) as llm:
+        want = _sample_filtered(llm, control=True)
+    for name in FILTERED:  # each parameter changes the distribution: dropping it would show
+        p = _min_pvalue(want[name], want[f"{name}/plain"])
+        assert p < ALPHA, f"{name} barely changes the distribution here (p={p:.2e})"
+    with engine(tiny_model, speculative_config={**SPEC, "goodput": False}, **KW) as llm:
+        got = _sample_filtered(llm)
+        _assert_drafted(vllm_selfspec.get_stats(llm))
+    for name in FILTERED:
+        p = _min_pvalue(want[name], got[name])
+        assert p > ALPHA, f"{name}: self-spec sampling differs from vanilla (p={p:.2e})"

@@ -162,6 +162,7 @@ class SelfSpecProposer:
         self._lookup_round: dict[str, list[int]] = {}
         self._tp = vllm_config.parallel_config.tensor_parallel_size
         self._last_seconds = 0.0  # selfspec's time in the previous step (its draft steps)
+        self._last_start: float | None = None  # when the previous step's proposal began
         self.runner = None
         self.executor: PlanExecutor | None = None
         #: AdaDecode's draft rounds and finishing pass (set in load_model)
@@ -397,12 +398,11 @@ class SelfSpecProposer:
                 if search_due and self.policy.wants_optimise(state):
                     due.append((i, state))
         if self.controller is not None:
-            # what the last choice achieved: this step's tokens over its target forward plus
-            # the previous step's selfspec time (its draft steps)
+            # what the last choice achieved: this step's tokens over the wall clock since it was
+            # made (its draft steps, the engine's cycle, this step's forward and sampling)
             # (a step with a prefill chunk tells nothing about decoding: seconds 0 skips it)
-            self.controller.settle(
-                emitted, len(entries), target_seconds + self._last_seconds if decode_step else 0.0
-            )
+            cycle = t_start - self._last_start if self._last_start is not None else 0.0
+            self.controller.settle(emitted, len(entries), cycle if decode_step else 0.0)
         if self.search_budget is not None:
             self.search_budget.tick(target_seconds + self._last_seconds)
             due = due[:1]  # one search a step at most, within the budget
@@ -464,6 +464,7 @@ class SelfSpecProposer:
             with st.timer("draft"):
                 self._draft(runner, active, sampling_metadata, drafts)
         self._last_seconds = time.perf_counter() - t_start
+        self._last_start = t_start
         return drafts
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
