@@ -254,8 +254,9 @@ class PlainReference:
     """The live figure of a plain cycle's wall seconds: the target line's ``V(B)`` plus what
     plain cycles measured beyond it (the scheduler, sampling, vLLM's bookkeeping; or minus, where
     verification steps bent the line up), a decayed mean over plain cycles. The target line alone
-    sees only the forward: measured against it, speculative cycles looked 10-30% better than the
-    wall clock said (docs/benchmarks.md, "Goodput")."""
+    sees only forwards, and a cost that every speculative step carries (the rejection sampler,
+    say) raises it at the plain batch size too, so speculation measured against it looks better
+    than it is (docs/benchmarks.md, "The safety net against measured plain cycles")."""
 
     DECAY = 0.9
     #: a cycle this many times longer than predicted held an idle gap (no requests): not a sample
@@ -621,14 +622,7 @@ class GoodputController:
         self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
 
     def state(self) -> dict:
-        return {
-            "plain_refreshes": self.plain_refreshes,
-            "plain_overhead_s": self.plain.overhead,
-            **self._net_state(),
-        }
-
-    def _net_state(self) -> dict:
-        return {
+        nets = {
             kind: {
                 "achieved": net.achieved,
                 "token_calibration": net.token_calibration(),
@@ -636,4 +630,9 @@ class GoodputController:
                 "paused": net.paused,
             }
             for kind, net in self.nets.items()
+        }
+        return {
+            "plain_refreshes": self.plain_refreshes,
+            "plain_overhead_s": self.plain.overhead,
+            **nets,
         }

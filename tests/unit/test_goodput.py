@@ -8,6 +8,7 @@ from vllm_selfspec.goodput import (
     Candidate,
     GoodputController,
     OnlineFit,
+    PlainReference,
     SearchBudget,
     StepCostModel,
 )
@@ -363,8 +364,6 @@ def test_plain_cycles_measured_catch_a_cost_the_line_hides(batch, p):
 
 
 def test_the_plain_reference_ignores_idle_gaps_and_corrects_the_line():
-    from vllm_selfspec.goodput import PlainReference
-
     ref = PlainReference()
     assert ref.seconds(0.1) == 0.1  # nothing measured: the line
     for _ in range(20):
