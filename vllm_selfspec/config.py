@@ -61,14 +61,16 @@ def methods() -> list[str]:
     return [*POLICIES, AUTO]
 
 
-#: architectures whose decoder layers the engine knows how to split: vLLM's Llama layer form
-#: (``compat.LlamaLayout``); Qwen2's biased projections and Qwen3's q/k norms live inside
-#: attention (tests/engine/test_families.py)
+#: architectures whose decoder layers the engine knows how to split (``compat.model_layout``):
+#: vLLM's Llama layer form (Qwen2's biased projections and Qwen3's q/k norms live inside
+#: attention) and Gemma 2/3's (a norm after each sub-layer); tests/engine/test_families.py
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 #: the kinds of trained heads a method drafts through (``Policy.head_kind``), as errors name them
 HEAD_KINDS = {

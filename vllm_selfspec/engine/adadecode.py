@@ -30,16 +30,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import compat
 from ..deferred import Round, draft_round, finish_plan, usable_prefix
 from ..plans import LayerPlan
+from .kv_groups import slots_of
 
 
 @dataclass
 class PendingRound:
     round: Round
     pos0: int  # position of round.tokens[0]
-    slots: torch.Tensor  # [n] KV slot of each token (CPU, int64)
+    slots: torch.Tensor  # [groups, n] KV slot of each token per KV-cache group (CPU, int64)
     h: torch.Tensor  # [n, d] pending delta at the token's depth
     res: torch.Tensor  # [n, d] residual stream at the token's depth
 
@@ -63,18 +63,22 @@ class _DraftBackend:
         self.engine, self.p, self.rounds, self.width = engine, p, rounds, width
         self.exe = p.executor
         dev = runner.device
-        ib = runner.input_batch
-        bt = ib.block_table[0]
-        self.block_size = bt.block_size
-        self.table = bt.get_device_tensor(len(ib.req_ids))[torch.tensor(rows, device=dev)]
+        kv = p.kv_groups()
+        self.tables = kv.tables(runner.input_batch, torch.tensor(rows))
         B = len(rows)
         pos = torch.from_numpy(pos0.astype(np.int64))[:, None] + torch.arange(width)[None, :]
         self.pos = pos.reshape(-1).to(dev)
-        limit = self.table.shape[1] * self.block_size - 1  # rows past a request's max never run
-        p_clamped = pos.clamp(max=limit).to(dev)
-        blk = self.table.gather(1, p_clamped // self.block_size)
-        self.slots = (blk.to(torch.int64) * self.block_size + p_clamped % self.block_size).reshape(
-            -1
+        # each group's slot of every (request, token) row; rows past a request's last block
+        # (past its max length) never run: any slot will do for them
+        self.slots = torch.stack(
+            [
+                slots_of(
+                    t.repeat_interleave(width, 0),
+                    self.pos.clamp(max=t.shape[1] * g.block_size - 1),
+                    g.block_size,
+                )
+                for t, g in zip(self.tables, kv.groups)
+            ]
         )
         d = p.info.hidden_size
         param = self.exe.layout.norm.weight
@@ -102,10 +106,10 @@ class _DraftBackend:
                 [int(self.pos0[r]) + len(self.rounds[r].tokens) for r in reqs], dtype=torch.int32
             )
             md = self.p.rows_metadata(
-                self.table[torch.tensor(reqs, device=self.h.device)],
+                [t[torch.tensor(reqs, device=t.device)] for t in self.tables],
                 list(per_req.values()),
                 seq,
-                self.slots[idx],
+                list(self.slots[:, idx]),
                 self.pos[idx],
             )
             self._md[key] = (idx, md)
@@ -195,7 +199,7 @@ class DeferredEngine:
             flat = torch.arange(j * backend.width, j * backend.width + n, device=backend.h.device)
             req_id = ib.req_ids[i]
             self.pending[req_id] = PendingRound(
-                rnd, int(pos0[j]), backend.slots[flat].cpu(), backend.h[flat], backend.res[flat]
+                rnd, int(pos0[j]), backend.slots[:, flat].cpu(), backend.h[flat], backend.res[flat]
             )
             self.round_exits[req_id] = list(rnd.exits)
             st.draft_length_hist[len(rnd.drafts)] += 1
@@ -215,7 +219,8 @@ class DeferredEngine:
         qsl = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
         N, real = input_ids.shape[0], int(qsl[-1])
         layout = self.proposer.executor.layout
-        slot_all = compat.forward_slot_mapping(layout.attn_layer_names[0])
+        kv = self.proposer.kv_groups()
+        slot_all = torch.stack(kv.forward_slots())  # [groups, N]
         depth = np.zeros(N, dtype=np.int64)
         depth[real:] = self.L  # padding rows never run
         resumed: list[tuple[int, int, PendingRound]] = []
@@ -227,7 +232,7 @@ class DeferredEngine:
                 continue
             a, b = int(qsl[i]), int(qsl[i + 1])
             n = usable_prefix(rec.round.tokens, rec.pos0, ids_cpu[a:b], int(pos_cpu[a]))
-            if n == 0 or not torch.equal(slot_all[a:b].cpu().to(torch.int64), rec.slots[:n]):
+            if n == 0 or not torch.equal(slot_all[:, a:b].cpu().to(torch.int64), rec.slots[:, :n]):
                 continue
             depth[a:b] = rec.round.depth[:n]
             resumed.append((a, n, rec))
@@ -255,11 +260,9 @@ class DeferredEngine:
             idx = torch.tensor(rows, dtype=torch.long, device=h.device)
             reqs, counts = np.unique(req_of_row[rows], return_counts=True)
             seq = positions[torch.from_numpy(qsl[reqs + 1] - 1).to(positions.device)] + 1
-            table = ib.block_table[0].get_device_tensor(num_reqs)[
-                torch.from_numpy(reqs).to(h.device)
-            ]
+            tables = kv.tables(ib, torch.from_numpy(reqs))
             md, slot_map = self.proposer.rows_metadata(
-                table, counts.tolist(), seq, slot_all[idx], positions[idx]
+                tables, counts.tolist(), seq, list(slot_all[:, idx]), positions[idx]
             )
             with self.proposer._set_forward_context(
                 md, self.proposer.vllm_config, num_tokens=len(rows), slot_mapping=slot_map

@@ -3,15 +3,17 @@
 Sub-layers run in vLLM's fused (pending, residual) form: a decoder layer returns
 ``(pending_delta, residual)`` and the next fused add+RMSNorm folds the pending delta into the
 residual stream. Skipping a sub-layer leaves the pending delta for the next norm. With nothing
-skipped this is bit-identical to ``LlamaDecoderLayer.forward`` (the textbook ``x + f(norm(x))``
-is not). Must run inside vLLM's forward context (attention finds its KV cache and metadata there).
+skipped this is bit-identical to the model's own decoder-layer forward (the textbook
+``x + f(norm(x))`` is not). The family's norms and blocks come from its layout adapter
+(``compat.model_layout``: Llama/Mistral/Qwen, Gemma 2/3). Must run inside vLLM's forward
+context (attention finds its KV cache and metadata there).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..compat import LlamaLayout, linear
+from ..compat import linear, model_layout
 from ..plans import LM_HEAD, LayerPlan
 
 
@@ -23,7 +25,7 @@ def _norm(norm, h: torch.Tensor, res: torch.Tensor | None):
 
 class PlanExecutor:
     def __init__(self, model) -> None:
-        self.layout = LlamaLayout(model)
+        self.layout = model_layout(model)
         self.num_layers = len(self.layout.layers)
         #: trained exit heads by name (``plan.head``): modules with ``transform(x) -> x'`` on the
         #: pre-norm residual stream; the model's own final norm + LM head then give the logits.
@@ -58,18 +60,19 @@ class PlanExecutor:
         end: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plan's sub-layers of layers ``start .. end-1`` on ``(pending, residual)``."""
+        lay = self.layout
         for i in range(start, end):
-            layer = self.layout.layers[i]
+            layer = lay.layers[i]
             run_attn, run_mlp = plan.attn[i], plan.mlp[i]
             if run_attn and run_mlp:
                 h, res = layer(positions, h, res)
                 continue
             if run_attn:
-                h, res = _norm(layer.input_layernorm, h, res)
-                h = layer.self_attn(positions=positions, hidden_states=h)
+                h, res = _norm(lay.attn_norm(layer), h, res)
+                h = lay.attn(layer, positions, h)
             if run_mlp:
-                h, res = _norm(layer.post_attention_layernorm, h, res)
-                h = layer.mlp(h)
+                h, res = _norm(lay.mlp_norm(layer), h, res)
+                h = lay.mlp(layer, h)
         return h, res
 
     def run_mixed(
@@ -109,18 +112,18 @@ class PlanExecutor:
                 for j, r in enumerate(rows):
                     logits[r] = out[j]
 
-    @staticmethod
-    def _sublayer(layer, attn: bool, rows, h, res, positions, context):
+    def _sublayer(self, layer, attn: bool, rows, h, res, positions, context):
         """One attention or MLP sub-layer on ``rows`` only (the others keep their pending
         delta for a later norm)."""
+        lay = self.layout
         idx = torch.tensor(rows, device=h.device)
-        norm = layer.input_layernorm if attn else layer.post_attention_layernorm
+        norm = lay.attn_norm(layer) if attn else lay.mlp_norm(layer)
         x, r = norm(h[idx], res[idx])
         if attn:
             with context(rows):
-                x = layer.self_attn(positions=positions[idx], hidden_states=x)
+                x = lay.attn(layer, positions[idx], x)
         else:
-            x = layer.mlp(x)
+            x = lay.mlp(layer, x)
         h, res = h.clone(), res.clone()
         h[idx], res[idx] = x, r
         return h, res

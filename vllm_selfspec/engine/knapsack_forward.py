@@ -1,7 +1,8 @@
 """KnapSpec's search on the real model: the DP's sub-layers over the target's own paged KV cache,
 and the start-up latency model (the algorithm is ``policies/knapsack.py``).
 
-``KnapsackForward(proposer, block_table_row)`` serves one request's optimisation:
+``KnapsackForward(proposer, block_table_rows)`` serves one request's optimisation (its block-table
+row in each KV-cache group, ``kv_groups.KVGroups``):
 
 * ``sublayer(s, states[B, r, d], positions[r])``: the residual stream after sub-layer ``s`` of B
   candidate state sets of the request's r recent rows (consecutive positions). MLP sub-layers are
@@ -52,18 +53,19 @@ LATENCY_REPEATS = 7
 
 
 class KnapsackForward:
-    def __init__(self, proposer, block_table_row: torch.Tensor) -> None:
+    def __init__(self, proposer, block_table_rows: list[torch.Tensor]) -> None:
         self.p = proposer
         self.layout = proposer.executor.layout
-        self.row = block_table_row
+        self.rows = block_table_rows
         self._md: dict[tuple, dict] = {}  # (B, first, r) -> attention metadata per layer name
 
     def sublayer(self, s: int, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, r, d = states.shape
-        layer = self.layout.layers[s // 2]
+        lay = self.layout
+        layer = lay.layers[s // 2]
         x = states.reshape(B * r, d)
         if s % 2 == 1:
-            return (x + layer.mlp(layer.post_attention_layernorm(x))).view(B, r, d)
+            return (x + lay.mlp(layer, lay.mlp_norm(layer)(x))).view(B, r, d)
         first = int(positions[0])
         if positions.numel() != r or int(positions[-1]) != first + r - 1:
             raise ValueError("knapsack rows must sit at consecutive positions")
@@ -71,14 +73,14 @@ class KnapsackForward:
         with self.p._set_forward_context(
             md, self.p.vllm_config, num_tokens=B * r, slot_mapping={}
         ):  # no layer: no KV write
-            h = layer.self_attn(positions=pos, hidden_states=layer.input_layernorm(x))
+            h = lay.attn(layer, pos, lay.attn_norm(layer)(x))
         return (x + h).view(B, r, d)
 
     def _metadata(self, B: int, first: int, r: int, dev):
         key = (B, first, r)
         if key not in self._md:
             self._md[key] = (
-                read_only_metadata(self.p, self.row, B, first, r),
+                read_only_metadata(self.p, self.rows, B, first, r),
                 torch.arange(first, first + r, device=dev).repeat(B),
             )
         return self._md[key]
@@ -94,10 +96,11 @@ class KnapsackForward:
         return lay.compute_logits(lay.norm(states)).argmax(-1).cpu()
 
 
-def read_only_metadata(proposer, row: torch.Tensor, B: int, first: int, r: int) -> dict:
+def read_only_metadata(proposer, rows: list[torch.Tensor], B: int, first: int, r: int) -> dict:
     """Attention metadata (every attention layer) for B copies of one request's r rows at
-    positions first .. first+r-1, reading its KV cache up to there and writing nothing."""
-    dev = row.device
+    positions first .. first+r-1, reading its KV cache up to there (``rows``: its block-table
+    row in each KV-cache group) and writing nothing."""
+    dev = rows[0].device
     qsl = torch.arange(B + 1, dtype=torch.int32) * r
     seq = torch.full((B,), first + r, dtype=torch.int32)
     pos = torch.arange(first, first + r, device=dev).repeat(B)
@@ -110,17 +113,13 @@ def read_only_metadata(proposer, row: torch.Tensor, B: int, first: int, r: int) 
         num_actual_tokens=B * r,
         max_query_len=r,
         max_seq_len=first + r,
-        block_table_tensor=row.unsqueeze(0).expand(B, -1).contiguous(),
+        block_table_tensor=rows[0].unsqueeze(0).expand(B, -1).contiguous(),
         slot_mapping=torch.full((B * r,), -1, dtype=torch.int64, device=dev),  # PAD_SLOT_ID
         causal=True,
         positions=pos,
     )
-    md = {}
-    for group in proposer._draft_attn_groups():
-        group_md = group.build_metadata_for_drafting(cm, draft_index=0)
-        for name in group.layer_names:
-            md[name] = group_md
-    return md
+    tables = [row.unsqueeze(0).expand(B, -1).contiguous() for row in rows]
+    return proposer.kv_groups().metadata(cm, tables, [cm.slot_mapping] * len(rows))[0]
 
 
 # ---- the latency model ------------------------------------------------------------------------
@@ -173,7 +172,7 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
     weights stay cache-hot). Every TP rank runs this together: the sub-layers all-reduce."""
     lay = proposer.executor.layout
     layers = lay.layers
-    block_size = proposer.runner.input_batch.block_table[0].block_size
+    block_size = min(g.block_size for g in proposer.kv_groups().groups)
     max_len = proposer.max_model_len
     contexts = sorted({min(n, max_len) for n in LATENCY_CONTEXTS})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -183,7 +182,7 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
     for n in contexts:
         # any blocks will do for timing: they are only read (block 0, vLLM's null block, too)
         row = torch.arange((n + block_size - 1) // block_size, dtype=torch.int32, device=device)
-        md = read_only_metadata(proposer, row, 1, n - 1, 1)
+        md = read_only_metadata(proposer, [row] * len(proposer.kv_groups().groups), 1, n - 1, 1)
         pos = torch.tensor([n - 1], device=device)
 
         def run_attn():
@@ -191,13 +190,13 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
                 md, proposer.vllm_config, num_tokens=1, slot_mapping={}
             ):
                 for layer in layers:
-                    layer.self_attn(positions=pos, hidden_states=layer.input_layernorm(x))
+                    lay.attn(layer, pos, lay.attn_norm(layer)(x))
 
         attn.append((n, _median_seconds(run_attn, sync) / len(layers)))
 
     def run_mlp():
         for layer in layers:
-            layer.mlp(layer.post_attention_layernorm(x))
+            lay.mlp(layer, lay.mlp_norm(layer)(x))
 
     t_mlp = _median_seconds(run_mlp, sync) / len(layers)
     t_target_head = _median_seconds(lambda: lay.compute_logits(lay.norm(x)), sync)

@@ -40,6 +40,7 @@ from ..vocab import load_vocab
 from .adadecode import DeferredEngine
 from .executor import PlanExecutor
 from .knapsack_forward import KnapsackForward, latency_model
+from .kv_groups import KVGroups
 from .shadow import ShadowProjector
 from .stats import EngineStats, layer_computations
 
@@ -167,7 +168,7 @@ class SelfSpecProposer:
         self.executor: PlanExecutor | None = None
         #: AdaDecode's draft rounds and finishing pass (set in load_model)
         self.deferred: DeferredEngine | None = None
-        self._attn_groups: list | None = None
+        self._kv: KVGroups | None = None  # built on first use (after vLLM's KV-cache init)
         self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
         #: q of every request whose drafts await verification (None: greedy drafts); kept per
         #: request because a request may be verified steps later (token budget, preemption)
@@ -550,9 +551,9 @@ class SelfSpecProposer:
         """Searching policies (KnapSpec): run their search on the live model, per request."""
         if self.policy.needs_latency and self.policy.latency is None:
             self.policy.latency = latency_model(self)
-        table = runner.input_batch.block_table[0].get_device_tensor(len(runner.input_batch.req_ids))
+        tables = self.kv_groups().tables(runner.input_batch)
         for i, state in due:
-            self.policy.optimise(state, KnapsackForward(self, table[i]))
+            self.policy.optimise(state, KnapsackForward(self, [t[i] for t in tables]))
             self.stats.optimisations += 1
 
     # ---- feedback: hidden states of the verified tokens ---------------------------------------
@@ -619,8 +620,7 @@ class SelfSpecProposer:
         n = torch.from_numpy(ib.num_tokens_no_spec[rows].astype(np.int64))
         pos0 = n - 1  # position of the token just sampled
         tok = torch.from_numpy(ib.token_ids_cpu[rows, pos0.numpy()].astype(np.int64))
-        bt = ib.block_table[0]
-        block_table = bt.get_device_tensor(len(ib.req_ids))
+        tables = self.kv_groups().tables(ib)
         temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
         plans = [d.plan for _, d, _ in items]
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
@@ -641,21 +641,13 @@ class SelfSpecProposer:
             pos = (pos0[J] + step).to(dev)
             step_plans = [plans[j] for j in alive]
             t0 = time.perf_counter()
+            step_tables = [t[rows_t[J].to(t.device)] for t in tables]
             if cascade is None and len(set(step_plans)) > 1:
-                logits = self._run_mixed(
-                    step_plans,
-                    block_table[rows_t[J].to(dev)],
-                    tok[J].to(dev),
-                    pos,
-                    bt.block_size,
-                    step,
-                )
+                logits = self._run_mixed(step_plans, step_tables, tok[J].to(dev), pos, step)
                 depth = max(p.layer_cost for p in step_plans)
             else:
                 plan = step_plans[0]
-                md, slot_map = self._attn_metadata(
-                    block_table[rows_t[J].to(dev)], pos, bt.block_size, step
-                )
+                md, slot_map = self._attn_metadata(step_tables, pos, step)
                 with self._set_forward_context(
                     md, self.vllm_config, num_tokens=len(alive), slot_mapping=slot_map
                 ):
@@ -721,7 +713,7 @@ class SelfSpecProposer:
                 self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
                 self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
 
-    def _run_mixed(self, plans, block_table, tokens, pos, block_size: int, step: int):
+    def _run_mixed(self, plans, tables, tokens, pos, step: int):
         """``PlanExecutor.run_mixed`` with attention metadata per row subset (built once each)."""
         built: dict[tuple[int, ...], tuple] = {}
 
@@ -729,7 +721,7 @@ class SelfSpecProposer:
             key = tuple(rows)
             if key not in built:
                 idx = torch.tensor(rows, device=pos.device)
-                built[key] = self._attn_metadata(block_table[idx], pos[idx], block_size, step)
+                built[key] = self._attn_metadata([t[idx] for t in tables], pos[idx], step)
             md, slot_map = built[key]
             return self._set_forward_context(
                 md, self.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
@@ -737,28 +729,25 @@ class SelfSpecProposer:
 
         return torch.stack(self.executor.run_mixed(plans, tokens, pos, context))
 
-    def _attn_metadata(
-        self, block_table: torch.Tensor, pos: torch.Tensor, block_size: int, step: int
-    ):
+    def _attn_metadata(self, tables: list[torch.Tensor], pos: torch.Tensor, step: int):
         """Attention metadata (one query per request at ``pos``) for every attention layer."""
-        blk = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
-        slot = blk.to(torch.int64) * block_size + pos % block_size
+        slots = self.kv_groups().slots(tables, pos)
         return self.rows_metadata(
-            block_table, [1] * pos.shape[0], pos.cpu() + 1, slot, pos, draft_index=step
+            tables, [1] * pos.shape[0], pos.cpu() + 1, slots, pos, draft_index=step
         )
 
     def rows_metadata(
         self,
-        block_table: torch.Tensor,
+        tables: list[torch.Tensor],
         q_lens: list[int],
         seq_lens: torch.Tensor,
-        slots: torch.Tensor,
+        slots: list[torch.Tensor],
         positions: torch.Tensor,
         draft_index: int = 0,
     ):
         """Attention metadata for rows grouped by request (``q_lens`` consecutive rows each, the
         last at position ``seq_lens - 1``), for every attention layer, and its slot-mapping
-        dict."""
+        dict; ``tables`` and ``slots``: one per KV-cache group (``kv_groups.KVGroups``)."""
         dev = positions.device
         qsl_cpu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         qsl_cpu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
@@ -772,47 +761,20 @@ class SelfSpecProposer:
             num_actual_tokens=int(qsl_cpu[-1]),
             max_query_len=max(q_lens),
             max_seq_len=int(seq_cpu.max()),
-            block_table_tensor=block_table,
-            slot_mapping=slots,
+            block_table_tensor=tables[0],
+            slot_mapping=slots[0],
             causal=True,
             positions=positions,
         )
-        md: dict[str, Any] = {}
-        for group in self._draft_attn_groups():
-            group_md = group.build_metadata_for_drafting(cm, draft_index=draft_index)
-            for name in group.layer_names:
-                md[name] = group_md
-        return md, dict.fromkeys(md, slots)
+        return self.kv_groups().metadata(cm, tables, slots, draft_index=draft_index)
 
-    def _draft_attn_groups(self) -> list:
-        """The drafter's own metadata builders for the target's attention layers (built once, so
-        the target's builders and their persistent buffers are never disturbed)."""
-        if self._attn_groups is None:
-            _, _, AttentionGroup = compat.runner_internals()
-            names = set(self.executor.layout.attn_layer_names)
-            groups = []
-            for g in self.runner.attn_groups[0]:
-                sub = [n for n in g.layer_names if n in names]
-                if not sub:
-                    continue
-                ng = AttentionGroup(
-                    backend=g.backend,
-                    layer_names=sub,
-                    kv_cache_spec=g.kv_cache_spec,
-                    kv_cache_group_id=0,
-                )
-                ng.create_metadata_builders(
-                    self.vllm_config, self.runner.device, kernel_block_size=g.kernel_block_size
-                )
-                groups.append(ng)
-            covered = sum(len(g.layer_names) for g in groups)
-            if covered != len(names):
-                raise RuntimeError(
-                    "selfspec needs every attention layer in KV-cache group 0 (hybrid or "
-                    "sliding-window KV-cache groups are not supported yet)"
-                )
-            self._attn_groups = groups
-        return self._attn_groups
+    def kv_groups(self) -> KVGroups:
+        """The target's KV-cache groups with the drafter's own metadata builders (built once)."""
+        if self._kv is None:
+            self._kv = KVGroups(
+                self.runner, self.vllm_config, self.executor.layout.attn_layer_names
+            )
+        return self._kv
 
     def stats_dict(self) -> dict[str, Any]:
         d = self.stats.as_dict()

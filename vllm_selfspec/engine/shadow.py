@@ -3,8 +3,9 @@
 For every (capture layer, row) the greedy token and its probability. With the model's own LM head
 and one TP rank, all layers go through one call of the fused LM-head argmax kernel
 (``vllm_selfspec.kernels.lm_head_argmax``: Triton on CUDA, its PyTorch reference on CPU), which
-never materialises the [rows, vocab] logits on GPU. Trained heads, or a vocabulary sharded over TP
-ranks, take vLLM's own final norm + ``compute_logits`` path (which all-gathers the logits).
+never materialises the [rows, vocab] logits on GPU. Trained heads, a vocabulary sharded over TP
+ranks, or logits that vLLM scales or soft-caps (Gemma 2) take vLLM's own final norm +
+``compute_logits`` path (which all-gathers the logits).
 With a reduced draft vocabulary (``draft_vocab_size``) shadow tokens read the same N tokens the
 draft does, so the statistics describe the draft that will actually run.
 """
@@ -31,7 +32,8 @@ class ShadowProjector:
         n, rows, d = hidden.shape
         ex = self.executor
         lay = ex.layout
-        if self.fused and all(h == LM_HEAD for h in heads):
+        plain_head = lay.logit_soft_cap is None and lay.logit_scale == 1.0
+        if self.fused and plain_head and all(h == LM_HEAD for h in heads):
             weight = (
                 ex.vocab_weight
                 if ex.vocab_ids is not None
@@ -40,7 +42,7 @@ class ShadowProjector:
             ids, prob, _ = lm_head_argmax(
                 hidden.reshape(n * rows, d),
                 weight,
-                norm_weight=lay.norm.weight,
+                norm_weight=lay.final_norm_scale(),
                 eps=lay.norm.variance_epsilon,
             )
             tokens, probs = ids.view(n, rows), prob.view(n, rows).float()
