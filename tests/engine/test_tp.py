@@ -5,7 +5,8 @@ embeddings are scaled up so that shallow exits mostly agree with the full model,
 pass the residual stream through, so an exit at layer 2 names the model's own next token: every
 method but KnapSpec, whose search still finds no skip set that pays on 4 layers, drafts and has
 drafts accepted). Greedy output must equal vanilla vLLM's with the same TP, and every rank must have
-taken the same decisions (its statistics are replicas of rank 0's).
+taken the same decisions (its statistics are replicas of rank 0's). The same on a tiny Gemma 3
+(``test_tp2_on_gemma``).
 """
 
 from __future__ import annotations
@@ -145,3 +146,21 @@ def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
         EXERCISED[method],
     ) + {"cascade": ("cascade_exits",), "adadecode": ("early_predictions",)}.get(method, ())
     assert [{k: r[k] for k in same} for r in ranks[1:]] == [{k: ranks[0][k] for k in same}]
+
+
+def test_tp2_on_gemma(tp_env, tmp_path):
+    """A family beside Llama under TP=2: Gemma 3's layer form (``compat.GemmaLayout``) and its
+    KV cache in several KV-cache groups, each rank drafting over its own shards. LayerSkip's
+    exit 2 names the model's own token (layers 2 and 3 pass through): every draft is accepted."""
+    random = save_tiny_model(tmp_path / "random", VOCAB, "gemma3")
+    model = save_passthrough_top(random, tmp_path / "passthrough", keep=2)
+    with engine(model, **KW) as llm:
+        want = _generate(llm)
+    spec = {"method": "layerskip", "exit_layer": 2, "num_speculative_tokens": 3}
+    with engine(model, speculative_config=spec, **KW) as llm:
+        out = _generate(llm)
+        ranks = llm.collective_rpc("selfspec_stats")
+    assert out == want
+    assert ranks[0]["drafted_tokens"] > 0
+    assert ranks[0]["accepted_tokens"] >= 0.95 * ranks[0]["drafted_tokens"], ranks[0]
+    assert ranks[1]["accepted_tokens"] == ranks[0]["accepted_tokens"]
