@@ -51,13 +51,22 @@ def _humaneval_chat(num_prompts: int | None, tokenizer_path: str) -> list[str]:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=p)}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        render_chat(tokenizer, [{"role": "user", "content": HUMANEVAL_CHAT.format(prompt=p)}])
         for p in _humaneval(num_prompts)
     ]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """``messages`` as the model's chat template renders them; a base model without one (such as
+    Gemma-3-270M) gets plain turns, one ``Role: content`` line each, ending in ``Assistant:``.
+
+    >>> render_chat(type("T", (), {"chat_template": None})(), [{"role": "user", "content": "Hi"}])
+    'User: Hi\\nAssistant:'
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        turns = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+        return "\n".join([*turns, "Assistant:"])
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]:
@@ -83,11 +92,7 @@ def _jsonl(path: str, num_prompts: int | None, tokenizer_path: str) -> list[str]
                     from transformers import AutoTokenizer
 
                     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-                prompts.append(
-                    tokenizer.apply_chat_template(
-                        record["messages"], tokenize=False, add_generation_prompt=True
-                    )
-                )
+                prompts.append(render_chat(tokenizer, record["messages"]))
             else:
                 raise ValueError(
                     f'{where}: expected {{"prompt": "..."}} or '
