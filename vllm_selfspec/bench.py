@@ -47,9 +47,12 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
     },
-    # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md)
-    "layerskip": {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 1},
+    # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md): E = 28 of its 30
+    # layers; on any model, two layers short of the full model (method_configs)
+    "layerskip": {"method": "layerskip", "num_speculative_tokens": 1},
 }
+#: the default LayerSkip exit: this many layers short of the model's last
+LAYERSKIP_SHORT_OF_FULL = 2
 #: engine settings shared by every method (the load test's and the engine tests' derive from them)
 #: the KV cache is sized in bytes (2 GiB: ~44k tokens of the embedded model), not as a share of
 #: the free memory, so a group of engines fits in memory at once
@@ -116,8 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None]:
-    """Ordered {method: speculative config}, vanilla first, overrides merged in."""
+def method_configs(
+    methods: str, overrides: str | None, num_layers: int = 30
+) -> dict[str, dict | None]:
+    """Ordered {method: speculative config} for a ``num_layers``-layer model, vanilla first,
+    overrides merged in."""
     from .config import methods as selfspec_methods
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
@@ -136,6 +142,8 @@ def method_configs(methods: str, overrides: str | None) -> dict[str, dict | None
         )
         if base in METHOD_DEFAULTS:
             configs[name] = None if METHOD_DEFAULTS[base] is None else dict(METHOD_DEFAULTS[base])
+            if base == "layerskip":
+                configs[name]["exit_layer"] = max(1, num_layers - LAYERSKIP_SHORT_OF_FULL)
         elif base in selfspec_methods():
             configs[name] = {"method": base}
         else:
@@ -544,13 +552,13 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     try:
-        configs = method_configs(args.methods, args.method_config)
         for flag in ("num_prompts", "max_tokens", "batch_size", "repeats", "group_size"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
         model = resolve_model(args.model)
         hf_config = AutoConfig.from_pretrained(model)
         num_layers = hf_config.num_hidden_layers
+        configs = method_configs(args.methods, args.method_config, num_layers)
         check_selfspec_configs(configs, hf_config)
         prompts = load_prompts(args.prompts, args.num_prompts, model)
     except ValueError as e:  # includes SelfSpecConfigError
