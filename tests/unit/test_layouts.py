@@ -116,7 +116,6 @@ def test_gemma_capture_returns_the_stream_after_the_asked_layers(vllm_config):
     torch.manual_seed(0)
     layers = [_layer("gemma3") for _ in range(3)]
     model = _model(layers)
-    model.forward = None  # replaced by set_capture_layers
     lay = model_layout(model)
     lay.set_capture_layers((0, 2))
     pos = torch.arange(4)
