@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     # defaults: vllm_selfspec.heads.train.TrainConfig (docs/heads.md)
     p.add_argument(
         "--sources",
-        help="prompt corpus: humaneval, chat, pydoc and/or JSONL files "
-        "(default humaneval,chat,pydoc)",
+        help="prompt corpus: general (disjoint from every benchmark set), humaneval, chat, "
+        "pydoc and/or JSONL files such as your own traffic (default general)",
     )
     p.add_argument(
         "--max-prompts",

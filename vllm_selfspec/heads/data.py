@@ -32,15 +32,16 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ..prompts import load_prompts
+from ..prompts import load_prompts, render_chat
+from .corpus import general_requests, stdlib_functions
 
 #: temperatures whose log-normaliser is stored (1: AdaDecode KL and CE; 2: Cascade distillation)
 TEMPERATURES = (1.0, 2.0)
 #: digest % 10 -> split
 SPLIT_BUCKETS = {"train": range(0, 6), "fit": range(6, 7), "val": range(7, 8), "test": range(8, 10)}
 TRAINING_SPLITS = ("train", "fit", "val")
-#: prompt sources besides a JSONL file path
-SOURCES = ("humaneval", "chat", "pydoc")
+#: prompt sources besides a JSONL file path ("general": ``corpus``, disjoint from the benchmarks)
+SOURCES = ("general", "humaneval", "chat", "pydoc")
 #: characters of Python documentation per raw-text prompt, and such prompts per pydoc topic
 PYDOC_CHUNK_CHARS = 1500
 PYDOC_CHUNKS_PER_TOPIC = 1
@@ -92,9 +93,20 @@ def pydoc_prompts(tokenizer) -> list[Prompt]:
     return out
 
 
+def general_prompts(tokenizer) -> list[Prompt]:
+    """The default corpus (``corpus``): every general request, rendered as the model's chat
+    template renders it, and every standard-library code prompt as raw text."""
+    chat = [
+        Prompt(render_chat(tokenizer, [{"role": "user", "content": r}]), "general-chat")
+        for r in general_requests(10**6)
+    ]
+    return chat + [Prompt(c, "general-code") for c in stdlib_functions(10**6)]
+
+
 def load_corpus(sources: str, tokenizer, tokenizer_path: str) -> list[Prompt]:
-    """Prompts of a comma-separated ``sources`` list: ``humaneval``, ``chat`` (built-in chat
-    set), ``pydoc`` (see ``pydoc_prompts``) or JSONL files (as ``prompts.load_prompts``).
+    """Prompts of a comma-separated ``sources`` list: ``general`` (``general_prompts``; disjoint
+    from every benchmark set), ``humaneval``, ``chat`` (built-in chat set), ``pydoc`` (see
+    ``pydoc_prompts``) or JSONL files (as ``prompts.load_prompts``).
     Duplicates are dropped; order is deterministic."""
     prompts: list[Prompt] = []
     for src in (s.strip() for s in sources.split(",")):
@@ -102,6 +114,8 @@ def load_corpus(sources: str, tokenizer, tokenizer_path: str) -> list[Prompt]:
             continue
         if src == "pydoc":
             prompts += pydoc_prompts(tokenizer)
+        elif src == "general":
+            prompts += general_prompts(tokenizer)
         else:
             prompts += [
                 Prompt(t, src if src in SOURCES else Path(src).name)

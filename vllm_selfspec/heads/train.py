@@ -48,7 +48,7 @@ class TrainConfig:
     kind: str
     layers: tuple[int, ...]
     # data
-    sources: str = "humaneval,chat,pydoc"
+    sources: str = "general"  # heads/corpus.py: disjoint from every benchmark prompt set
     max_prompts: int | None = 128  # over train/fit/val (6:1:1); None: every prompt
     max_new_tokens: int = 96
     max_prompt_tokens: int = 384
