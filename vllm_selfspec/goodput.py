@@ -369,9 +369,10 @@ class SafetyNet:
 
 @dataclass
 class SearchBudget:
-    """The share of the engine's time that plan searches (KnapSpec's) may take: a search is
-    allowed while the searches' seconds stay within ``share`` of all seconds (steps and searches
-    together), both as sums decayed per step, so old searches fade and a burst cannot spend
+    """The share of the engine's time that one kind of costly feedback may take (the proposer
+    keeps one budget for KnapSpec's plan searches, one for DEL's hidden-state capture and shadow
+    projections): a search is allowed while the searches' seconds stay within ``share`` of all
+    seconds (steps and searches together), both as sums decayed per step, so old searches fade and a burst cannot spend
     credit saved up over an idle hour. 2%: a method must stay within 3% of plain decoding when
     its drafts do not pay, and the speculative path's own per-step work already takes part of that
     (docs/benchmarks.md, "Goodput"). Example: at 40 ms a step and 0.6 s a search, a 2% budget

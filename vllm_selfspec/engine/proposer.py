@@ -144,8 +144,12 @@ class SelfSpecProposer:
         self._rates: dict[str, Any] = {}
         #: the batch-wide choice of draft lengths (None: each policy's own lengths)
         self.controller = GoodputController(self.costs) if self.config.goodput else None
-        #: under the controller, plan searches (KnapSpec's) take at most a share of the time
+        #: under the controller, plan searches (KnapSpec's) and hidden-state capture with shadow
+        #: projections (DEL's) each take at most a share of the time: a shadow row is a full
+        #: LM-head projection per exit, dearer than the target's whole stack on a large-vocabulary
+        #: model (Gemma-3-270M: 8% of DEL's time without this budget, docs/benchmarks.md)
         self.search_budget = SearchBudget() if self.controller is not None else None
+        self.shadow_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
         #: the match lengths of the lookup drafts each request awaits verification of
         self.lookup = self.config.lookup
@@ -331,6 +335,7 @@ class SelfSpecProposer:
         feedback_due, search_due = self._feedback_due()
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None and feedback_due:
+            t_shadow = time.perf_counter()
             with st.timer("shadow"):
                 rows = [
                     i
@@ -340,6 +345,8 @@ class SelfSpecProposer:
                 captured = self._capture(
                     ib, rows, sampled_token_ids, scheduled, aux_hidden_states, common_attn_metadata
                 )
+            if self.shadow_budget is not None:
+                self.shadow_budget.spend(time.perf_counter() - t_shadow)
 
         active: list[tuple[int, DraftDecision, int]] = []
         due: list[tuple[int, Any]] = []  # (batch row, state) whose plan search is due
@@ -406,6 +413,7 @@ class SelfSpecProposer:
             self.controller.settle(emitted, len(entries), cycle if decode_step else 0.0)
         if self.search_budget is not None:
             self.search_budget.tick(target_seconds + self._last_seconds)
+            self.shadow_budget.tick(target_seconds + self._last_seconds)
             due = due[:1]  # one search a step at most, within the budget
         if due:
             t_search = time.perf_counter()
@@ -473,10 +481,10 @@ class SelfSpecProposer:
         """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
         and shadow projections, a plan search). Without the controller always; with it, around
         self-drafts and before probes (``GoodputController.self_feedback_due``), a search also
-        within its time budget. Under TP rank 0's answer (a search runs collectives)."""
+        within their time budgets. Under TP rank 0's answer (a search runs collectives)."""
         if self.controller is None:
             return True, True
-        feedback = self.controller.self_feedback_due()
+        feedback = self.controller.self_feedback_due() and self.shadow_budget.allows()
         search = self.controller.self_feedback_due(search=True) and self.search_budget.allows()
         if self._tp > 1:
             feedback, search = compat.broadcast_from_tp_rank0((feedback, search))
