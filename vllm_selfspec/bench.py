@@ -618,6 +618,10 @@ def main(args: argparse.Namespace) -> int:
         f"torch threads {settings['torch_threads']} (engine OMP cores "
         f"{settings['engine_omp_cores']}), greedy"
     )
+    if any((c or {}).get("method") == "auto" for c in configs.values()):
+        from .config import auto_note
+
+        settings_line += f"; {auto_note(model)}"
     (out / "results.md").write_text(
         f"# selfspec benchmark\n\n{settings_line}\n\n{table}\n\n"
         f"Command:\n\n```\n{settings['command_line']}\n```\n",

@@ -35,6 +35,10 @@ def run_demo(
         "max_tokens": max_tokens,
         "batch_size": len(prompts),
     }
+    if cfg.get("method") == "auto":
+        from .config import auto_note
+
+        print(auto_note(model), flush=True)
     print(f"running vanilla vLLM and {cfg} ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="selfspec-demo-") as tmp:
         raw, ratios = run_interleaved(
