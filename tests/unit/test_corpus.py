@@ -42,3 +42,17 @@ def test_code_prompts_are_stdlib_function_heads_unlike_humaneval():
     humaneval = {l.strip() for p in _humaneval(None) for l in p.splitlines()}
     assert not lines & humaneval
     assert stdlib_functions(20) == code[:20]
+
+
+def test_train_heads_reads_the_corpus_as_source_general():
+    from vllm_selfspec.heads.data import load_corpus
+    from vllm_selfspec.heads.train import TrainConfig
+
+    assert TrainConfig("cascade", (8,)).sources == "general"
+    no_template = type("T", (), {"chat_template": None})()
+    prompts = load_corpus("general", no_template, "")
+    chat = [p for p in prompts if p.source == "general-chat"]
+    code = [p for p in prompts if p.source == "general-code"]
+    assert len(chat) == len(general_requests(10**6)) and len(code) == len(stdlib_functions(10**6))
+    assert chat[0].text == f"User: {general_requests(1)[0]}\nAssistant:"
+    assert {p.split for p in prompts} == {"train", "fit", "val", "test"}
