@@ -32,8 +32,9 @@ model-gemma: $(STAMP)
 # the embedded model's trained exit heads (Cascade's, then AdaDecode's on the same collected data),
 # cached in $VLLM_SELFSPEC_HOME/heads/; deterministic for the default seed; skipped once cached
 heads: model
-	@if $(BIN)/python -c "import sys; from vllm_selfspec.heads.embedded import embedded_heads_dir as d; \
-		sys.exit(0 if all((d(k) / 'config.json').is_file() for k in ('cascade', 'adadecode')) else 1)"; \
+	@if $(BIN)/python -c "import sys; from vllm_selfspec.heads.embedded import cached_heads; \
+		from vllm_selfspec.models import embedded_model_dir as m; \
+		sys.exit(0 if all(cached_heads(m(), k) for k in ('cascade', 'adadecode')) else 1)"; \
 	then echo "trained heads cached"; \
 	else $(BIN)/vllm-selfspec train-heads --kind cascade && $(BIN)/vllm-selfspec train-heads --kind adadecode; fi
 

@@ -164,8 +164,8 @@ def auto_note(model_path: str) -> str:
     """One line on what ``auto`` self-drafts with on this model and, without trained heads,
     how to get them (the demo and the bench print it: they never run without heads silently)."""
     method, options = auto_method(model_path)
-    if method != "layerskip":
-        kind = "cascade" if method == "cascade" else "adadecode"
+    kind = POLICIES[method].head_kind
+    if kind is not None:
         return f"auto self-drafts with {method} (trained heads {cached_heads(model_path, kind)})"
     return (
         f"auto self-drafts with layerskip at exit {options['exit_layer']}: no trained heads are "

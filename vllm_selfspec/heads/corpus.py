@@ -10,8 +10,10 @@ Two parts, both offline and deterministic:
 * ``stdlib_functions(n)``: the head of a top-level function of Python's own standard library
   (signature and docstring) to continue as raw code, the shape of a code-completion request.
 
-Neither reuses a benchmark prompt: ``tests/unit/test_corpus.py`` checks that no request equals or
-contains one, and no benchmark prompt's function name appears among the code prompts.
+Neither reuses a benchmark prompt: ``tests/unit/test_corpus.py`` checks that no request equals,
+contains or is contained in a chat or passages request, and that no code prompt shares a line of
+24 characters or more with a HumanEval prompt (a few function names, such as ``median``, occur in
+both; their prompts do not).
 
 >>> general_requests(2)
 ['Write a four-line poem about honeybees.', 'How does a solar panel work? Keep it short.']
