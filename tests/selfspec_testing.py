@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 
 from vllm_selfspec import compat
 from vllm_selfspec.bench import ENGINE_ARGS
@@ -32,10 +33,20 @@ def selfspec_log(caplog, level: int):
 
 @contextlib.contextmanager
 def engine(model: str, **kw):
-    """A vllm.LLM that is shut down (and its memory freed) when the block ends."""
+    """A vllm.LLM that is shut down (and its memory freed) when the block ends.
+
+    A single-worker engine runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    it starts in ~5 s instead of ~30 s for a core process beside its worker, which was most of
+    the suite's time. The code under test is the same either way (worker, proposer and plugin
+    sit in the engine core); separate processes are still tested where they matter: TP=2 (its
+    workers are processes), Ray, `vllm serve` (its engine core is always a process) and the
+    bench."""
     from vllm import LLM
 
-    llm = LLM(model=model, **{**ENGINE_KW, **kw})
+    kw = {**ENGINE_KW, **kw}
+    in_process = kw.get("tensor_parallel_size", 1) == 1 and "distributed_executor_backend" not in kw
+    with _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else None):
+        llm = LLM(model=model, **kw)  # vLLM reads the variable while it builds the engine
     try:
         yield llm
     finally:
@@ -43,6 +54,21 @@ def engine(model: str, **kw):
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``os.environ[name]`` set to ``value`` inside the block (None: as it is)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def token_ids(outputs) -> list[list[int]]:
