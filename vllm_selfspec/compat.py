@@ -47,6 +47,9 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
 ``get_tensor_model_parallel_rank``, ``embed_tokens``    the heads'/draft vocabulary's model
                                                         fingerprint, the latency cache (rank 0)
 ``AsyncLLM.__init__`` / ``AsyncLLM.collective_rpc``      selfspec stats on the server's /metrics
+``ModelRunnerOutput`` (pickled to the engine core),      drafts ride with the step's output: no
+  ``Scheduler.update_from_output`` /                     ``take_draft_token_ids`` RPC per step
+  ``update_draft_token_ids``, ``EngineCore.post_step``   (plugin.py patches, engine/worker.py)
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 ``dispatch_cpu_unquantized_gemm``                       their GEMM on CPU: vLLM's (oneDNN, prepacked)
@@ -283,6 +286,33 @@ def vllm_cli_main():
     from vllm.entrypoints.cli.main import main
 
     return main
+
+
+#: the attribute of a ``ModelRunnerOutput`` that carries the step's drafts (a ``DraftTokenIds`` or
+#: None) from a selfspec worker to the engine core
+DRAFTS_ATTR = "selfspec_drafts"
+
+
+def model_runner_output_class():
+    """What a worker's ``sample_tokens`` returns to the engine core (a dataclass, pickled across
+    processes with its instance attributes)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput
+
+
+def scheduler_class():
+    """vLLM's V1 scheduler (its ``update_from_output`` is patched)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+def engine_core_class():
+    """vLLM's V1 engine core (its ``post_step`` is patched)."""
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
 
 
 def async_llm_class():

@@ -65,21 +65,26 @@ class OnlineFit:
         self.xtx = np.zeros((n, n))
         self.xty = np.zeros(n)
         self.count = 0.0
+        self._coef: np.ndarray | None = None  # solved once per sample (read several times a step)
 
     def add(self, x, y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
         self.xtx = self.decay * self.xtx + np.outer(x, x)
         self.xty = self.decay * self.xty + x * y
         self.count = self.decay * self.count + 1.0
+        self._coef = None
 
     def coefficients(self) -> np.ndarray | None:
         if self.count < self.min_samples:
             return None
-        # a light ridge keeps features the data cannot separate (one row count, one plan) at
-        # their least-norm values instead of blowing up
-        ridge = 1e-6 * max(np.trace(self.xtx), 1e-12)
-        coef = np.linalg.solve(self.xtx + ridge * np.eye(len(self.xty)), self.xty)
-        return np.maximum(coef, self.lower)
+        if self._coef is None:
+            # a light ridge keeps features the data cannot separate (one row count, one plan)
+            # at their least-norm values instead of blowing up
+            ridge = 1e-6 * max(np.trace(self.xtx), 1e-12)
+            coef = np.linalg.solve(self.xtx + ridge * np.eye(len(self.xty)), self.xty)
+            self._coef = np.maximum(coef, self.lower)
+            self._coef.setflags(write=False)  # shared by every reader until the next sample
+        return self._coef
 
 
 class StepCostModel:

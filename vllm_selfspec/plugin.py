@@ -4,7 +4,7 @@
 patch is a ``Patch`` declaration in ``PATCHES`` below (what it replaces, why, and a function
 from vLLM's original to the replacement); ``apply`` installs one, logs it at INFO once per process,
 and refuses a second, different patch of an attribute already patched. ``register()`` applies
-the first four (the fourth on CPU only); the fifth is applied where a selfspec engine config is
+the first six (the fourth on CPU only); the seventh is applied where a selfspec engine config is
 built, so only in the process that serves it:
 
 1. ``EngineArgs.create_engine_config``: when the speculative config names a selfspec method,
@@ -22,7 +22,12 @@ built, so only in the process that serves it:
    (vLLM's own ngram included) then corrupts outputs of batches with temperature > 0 requests.
    Replaced by a plain-PyTorch expansion with the same contract. It applies in every vLLM-CPU
    process once this package is installed, selfspec config or not.
-5. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
+5. ``Scheduler.update_from_output`` and 6. ``EngineCore.post_step``: a selfspec worker returns
+   the step's drafts with its output (``compat.DRAFTS_ATTR``); the scheduler takes them there,
+   and the engine core skips the ``take_draft_token_ids`` RPC that vLLM sends every step after
+   it (one round trip to the worker process per step, ~0.5 ms: docs/benchmarks.md, "What a step
+   without drafts costs"). An output without the attribute (any other engine) changes nothing.
+7. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 
 Every vLLM class and module patched here comes from ``compat.py``. The second entry point,
@@ -239,7 +244,34 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from=0, re
     return torch.repeat_interleave(x, counts.to(torch.long), output_size=num_tokens)
 
 
-# ---- 5. selfspec metrics on the OpenAI server's /metrics -------------------------------------
+# ---- 5, 6. drafts ride with the step's output ----------------------------------------------------
+_NO_DRAFTS_ATTR = object()
+
+
+def _update_from_output(orig):
+    def update_from_output(self, scheduler_output, model_runner_output):
+        drafts = vars(model_runner_output).pop(compat.DRAFTS_ATTR, _NO_DRAFTS_ATTR)
+        out = orig(self, scheduler_output, model_runner_output)
+        if drafts is not _NO_DRAFTS_ATTR:
+            # what EngineCore.post_step would do next with the drafts it fetched by RPC
+            self._selfspec_drafts_taken = True
+            if drafts is not None:
+                self.update_draft_token_ids(drafts)
+        return out
+
+    return update_from_output
+
+
+def _post_step(orig):
+    def post_step(self, model_executed: bool) -> None:
+        if vars(self.scheduler).pop("_selfspec_drafts_taken", False):
+            return  # the drafts came with the output: no take_draft_token_ids RPC
+        orig(self, model_executed)
+
+    return post_step
+
+
+# ---- 7. selfspec metrics on the OpenAI server's /metrics -------------------------------------
 def _async_llm_init(orig):
     def __init__(self, vllm_config, *args, **kwargs):
         orig(self, vllm_config, *args, **kwargs)
@@ -257,7 +289,7 @@ ASYNC_LLM_METRICS = Patch(
     "selfspec stats on the OpenAI server's /metrics",
     _async_llm_init,
 )
-#: the patches ``register()`` applies in every vLLM process (1-4 of the module docstring)
+#: the patches ``register()`` applies in every vLLM process (1-6 of the module docstring)
 AT_START = (
     Patch(
         compat.engine_args_class,
@@ -284,6 +316,18 @@ AT_START = (
         "(uninitialised temperatures under speculative sampling): a PyTorch expansion instead",
         lambda orig: expand_batch_to_tokens,
         applies=compat.is_cpu,
+    ),
+    Patch(
+        compat.scheduler_class,
+        "update_from_output",
+        "a selfspec step's drafts come with its output (no take_draft_token_ids RPC)",
+        _update_from_output,
+    ),
+    Patch(
+        compat.engine_core_class,
+        "post_step",
+        "skip the take_draft_token_ids RPC when the drafts came with the output",
+        _post_step,
     ),
 )
 #: every patch, in the order of the module docstring

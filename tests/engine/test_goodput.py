@@ -54,9 +54,16 @@ def _check_parity(vanilla, out, name):
 
 def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
     with engine(model_path, speculative_config={"method": "auto"}, **SETTINGS) as llm:
+        # the drafts ride with each step's output (plugin.py, patches 5 and 6): vLLM's
+        # take_draft_token_ids RPC, one round trip to the worker per step, is never sent
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        rpcs = []
+        take = executor.take_draft_token_ids
+        executor.take_draft_token_ids = lambda: rpcs.append(1) or take()
         out = _run(llm)
         stats = vllm_selfspec.get_stats(llm)
     _check_parity(vanilla, out, "auto")
+    assert not rpcs, f"{len(rpcs)} take_draft_token_ids RPCs"
     # the self-drafter auto chose for this model: LayerSkip unless trained heads are cached
     assert stats["policy"]["method"] == auto_method(model_path)[0]
     src = stats["token_sources"]

@@ -112,3 +112,55 @@ def test_vllms_own_command_starts_on_this_build():
     done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(compat.SUPPORTED_VLLM)
+
+
+class _Scheduler:
+    """Stands in for vLLM's Scheduler: records what reaches it."""
+
+    def __init__(self):
+        self.updates = []
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        return "outputs"
+
+    def update_draft_token_ids(self, drafts):
+        self.updates.append(drafts)
+
+
+class _EngineCore:
+    """Stands in for vLLM's EngineCore: post_step's take_draft_token_ids RPC, counted."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.rpcs = scheduler, 0
+
+    def post_step(self, model_executed):
+        self.rpcs += 1
+
+
+def _step(core, output):
+    """One engine-core step with the patched methods, as EngineCore.step and its loop run them."""
+    update = plugin._update_from_output(_Scheduler.update_from_output)
+    post_step = plugin._post_step(_EngineCore.post_step)
+    assert update(core.scheduler, None, output) == "outputs"
+    post_step(core, True)
+
+
+def test_drafts_that_ride_with_the_output_reach_the_scheduler_without_an_rpc():
+    class Output:  # a ModelRunnerOutput
+        pass
+
+    core = _EngineCore(_Scheduler())
+    out = Output()
+    setattr(out, compat.DRAFTS_ATTR, "drafts")
+    _step(core, out)
+    assert core.scheduler.updates == ["drafts"] and core.rpcs == 0
+    assert not hasattr(out, compat.DRAFTS_ATTR)  # taken: an in-process output is not re-read
+    # a step in which nothing drafted: no update, still no RPC
+    out = Output()
+    setattr(out, compat.DRAFTS_ATTR, None)
+    _step(core, out)
+    assert core.scheduler.updates == ["drafts"] and core.rpcs == 0
+    # any other engine's output (no attribute): vLLM's own RPC, every step
+    _step(core, Output())
+    _step(core, Output())
+    assert core.scheduler.updates == ["drafts"] and core.rpcs == 2

@@ -15,6 +15,7 @@ from .. import compat
 from .proposer import SelfSpecProposer
 
 _BaseWorker = compat.base_worker_class()
+_ModelRunnerOutput = compat.model_runner_output_class()
 
 
 class SelfSpecRunnerMixin:
@@ -140,7 +141,12 @@ class SelfSpecRunnerMixin:
         if drafter is None:
             return super().sample_tokens(*args, **kwargs)
         with drafter.stats.timer("step"):
-            return super().sample_tokens(*args, **kwargs)
+            out = super().sample_tokens(*args, **kwargs)
+        if isinstance(out, _ModelRunnerOutput) and out.req_ids:
+            # the drafts go to the engine core with the output, not by a second RPC (plugin.py,
+            # patches 5 and 6); None: no request drafted
+            setattr(out, compat.DRAFTS_ATTR, self.take_draft_token_ids())
+        return out
 
 
 class UnverifiedAcceptance:
