@@ -419,6 +419,7 @@ class GoodputController:
     plain_every: int = 64
     _probe_turn: int = 0
     _probe_interval: int = 0
+    _since_skipped_probe: int = 1 << 30  # steps since a probe was skipped as hopeless
     _free_interval: int = 0  # the same for lookup drafts
     _free_idle: int = 0  # steps since a lookup draft was chosen or probed
     _pending: Choice | None = None
@@ -431,6 +432,7 @@ class GoodputController:
         self._probe_interval = self._free_interval = self.probe_every
         self.plain = PlainReference()
         self.plain_refreshes = 0  # plain cycles the controller forced
+        self.skipped_probes = 0  # self-draft probes skipped: no acceptance could make them pay
 
     @property
     def achieved(self) -> float:
@@ -452,7 +454,7 @@ class GoodputController:
         measured faster than plain decoding."""
         paid = self.nets["paid"]
         recent = paid.idle < self.FEEDBACK_STEPS and (not search or paid.achieved >= 1.0)
-        return recent or paid.idle + self.FEEDBACK_STEPS >= self._probe_interval
+        return recent or self._probe_idle() + self.FEEDBACK_STEPS >= self._probe_interval
 
     # ---- the choice ------------------------------------------------------------------------
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
@@ -501,18 +503,26 @@ class GoodputController:
         best = Choice([0] * n, float(n), plain, plain)
         best_rate = n / plain
         depth = max((c.max_tokens for c in scaled if not c.free), default=0)
+        # each token must pay for itself by the margin: a token near break-even adds nothing
+        # but the risk of a wrong estimate, wherever the rest of the step stands
+        floor = (1.0 + self.margin) * base / plain
         for steps in range(depth + 1):
-            # each token must pay for itself by the margin: a token near break-even adds
-            # nothing but the risk of a wrong estimate, wherever the rest of the step stands
-            floor = (1.0 + self.margin) * base / plain
             choice = self._best_for_depth(scaled, steps, base, plain, v1, floor)
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
         best.kind = self._kind(cands, best.tokens)
         chosen_free = any(t and c.free for c, t in zip(cands, best.tokens))
-        if best.kind != "paid" and paid.open and paid.idle + 1 >= self._probe_interval:
-            best = self._probe(cands, best)  # self-drafts have not run for a while: probe
+        self._since_skipped_probe += 1
+        if best.kind != "paid" and paid.open and self._probe_idle() + 1 >= self._probe_interval:
+            # self-drafts have not run for a while: probe, unless no self-draft could pay
+            # even if every one were accepted (a probe would only cost; the next is as late)
+            if self._could_pay(cands, floor, v1):
+                best = self._probe(cands, best)
+            else:
+                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+                self._since_skipped_probe = 0
+                self.skipped_probes += 1
         elif best.kind == "paid" and not best.probe:
             self._probe_interval = self.probe_every
         # lookup drafts likewise: an estimate that fell below the bar gets new evidence
@@ -527,6 +537,21 @@ class GoodputController:
         self._pending = best if best.kind else None
         self._plain_pending = not any(best.tokens)
         return best
+
+    def _probe_idle(self) -> int:
+        """Steps since self-drafts last ran or a probe was skipped (the probe clock)."""
+        return min(self.nets["paid"].idle, self._since_skipped_probe)
+
+    @staticmethod
+    def _could_pay(cands: list[Candidate], floor: float, v1: float) -> bool:
+        """Whether a self-draft token could clear the per-token bar (``floor`` tokens per second
+        of its own cost) in the best case: accepted for sure, its draft step shared by every
+        request that can self-draft. A token's cost is its verification plus its row and its
+        share of the draft step, as measured; a plan that costs most of a target step (LayerSkip
+        at exit 28 of 30, say) cannot pay at any acceptance, so probing it is pure loss."""
+        paid = [c for c in cands if c.max_tokens > 0 and not c.free]
+        share = 1.0 / max(len(paid), 1)
+        return any(1.0 > floor * (v1 + c.row_seconds + share * c.plan_seconds) for c in paid)
 
     def _clears_margin(self, choice: Choice, base: float) -> bool:
         """Whether a choice's expected extra tokens beat what plain decoding would emit in its
@@ -639,6 +664,7 @@ class GoodputController:
         }
         return {
             "plain_refreshes": self.plain_refreshes,
+            "skipped_probes": self.skipped_probes,
             "plain_overhead_s": self.plain.overhead,
             **nets,
         }

@@ -371,3 +371,21 @@ def test_the_plain_reference_ignores_idle_gaps_and_corrects_the_line():
     ref.add(0.1, 5.0)  # an idle gap: not a sample
     assert ref.seconds(0.1) == pytest.approx(0.08)
     assert ref.seconds(0.01) == pytest.approx(0.005)  # never below half the line
+
+
+def test_no_probe_of_a_plan_that_could_not_pay_at_any_acceptance():
+    """A self-draft whose step costs more than a plain step yields (LayerSkip near the last
+    layer) loses at any acceptance: its probes are skipped, and the costly feedback that
+    precedes a probe (DEL's shadow tokens) is not kept due forever. A cheap plan with a low
+    estimate is still probed now and then."""
+    costs = measured()
+    cheap, dear = GoodputController(costs), GoodputController(costs)
+    probes = {"cheap": 0, "dear": 0}
+    due = []
+    for _ in range(600):
+        for name, ctl, layers in (("cheap", cheap, 8), ("dear", dear, 90)):
+            probes[name] += sum(ctl.choose([cand(0.05, 4, costs, layers)]).tokens)
+        due.append(dear.self_feedback_due())
+    assert probes["cheap"] >= 3
+    assert probes["dear"] == 0 and dear.skipped_probes >= 3
+    assert sum(due[-300:]) < 0.2 * 300
