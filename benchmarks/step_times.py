@@ -1,7 +1,7 @@
 """Where a step's time goes: per engine step, the runner's execute_model and sample_tokens
 seconds, and the wall time to the next step (the rest: scheduling, outputs, IPC), by the step's
-scheduled tokens. One engine per call, in this process's engine core, hooks installed in the
-worker with collective_rpc.
+scheduled tokens. One engine per call (its engine core and its worker in processes of their
+own, as a server runs them), hooks installed in the worker with collective_rpc.
 
     VLLM_ALLOW_INSECURE_SERIALIZATION=1 python benchmarks/step_times.py --config none \
         --prompts passages --num-prompts 8 --batch-size 1 --max-tokens 64
@@ -9,10 +9,12 @@ worker with collective_rpc.
                    "prompt_lookup_min": 2}'
     ... --config '{"method": "auto"}'
 
-Prints, per scheduled-token count, the steps and the median gap / execute / sample / rest in
-ms. Compare engines run back to back only by the same token count, and mind the machine's
-drift (here: the same plain step at 62 and 84 ms a minute apart): a marginal verified token's
-cost is the difference between token counts *within* one run.
+Prints, per scheduled-token count, the steps and the median gap / execute (of which the model's
+forward) / sample / rest in ms: "sample" holds the drafter in speculative engines, "rest" the
+engine core's scheduling and the round trips to the worker process. Compare engines run back
+to back only by the same token count, and mind the machine's drift (here: the same plain step
+at 62 and 84 ms a minute apart; docs/benchmarks.md, "Do no harm" alternates the engines): a
+marginal verified token's cost is the difference between token counts *within* one run.
 """
 
 from __future__ import annotations
@@ -28,13 +30,21 @@ def _hook(worker) -> None:
 
     runner = worker.model_runner
     runner._step_log = []
-    execute, sample = runner.execute_model, runner.sample_tokens
+    runner._forward_s = 0.0
+    execute, sample, forward = runner.execute_model, runner.sample_tokens, runner._model_forward
 
     def execute_model(scheduler_output, *a, **k):
         t = _t.perf_counter()
+        runner._forward_s = 0.0
         out = execute(scheduler_output, *a, **k)
         n = scheduler_output.total_num_scheduled_tokens
-        runner._step_log.append([t, n, _t.perf_counter() - t, 0.0])
+        runner._step_log.append([t, n, _t.perf_counter() - t, 0.0, runner._forward_s])
+        return out
+
+    def model_forward(*a, **k):  # the model's own forward, inside execute_model
+        t = _t.perf_counter()
+        out = forward(*a, **k)
+        runner._forward_s += _t.perf_counter() - t
         return out
 
     def sample_tokens(*a, **k):
@@ -45,6 +55,7 @@ def _hook(worker) -> None:
         return out
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+    runner._model_forward = model_forward
 
 
 def _read(worker) -> list:
@@ -79,14 +90,14 @@ def main() -> None:
     log = llm.collective_rpc(_read)[0]
     print(f"{args.config}: {wall:.1f} s, {len(log)} steps")
     by_tokens: dict[int, list] = {}
-    for (t, n, ex, sa), nxt in zip(log, log[1:]):
-        by_tokens.setdefault(n, []).append((nxt[0] - t, ex, sa))
+    for (t, n, ex, sa, fw), nxt in zip(log, log[1:]):
+        by_tokens.setdefault(n, []).append((nxt[0] - t, ex, sa, fw))
     for n in sorted(by_tokens):
         rows = by_tokens[n]
-        gap, ex, sa = (statistics.median(r[i] for r in rows) * 1e3 for i in range(3))
+        gap, ex, sa, fw = (statistics.median(r[i] for r in rows) * 1e3 for i in range(4))
         print(
             f"  {n:4d} tokens: {len(rows):4d} steps, gap {gap:6.1f} ms = execute {ex:6.1f}"
-            f" + sample {sa:5.1f} + rest {gap - ex - sa:5.1f}"
+            f" (forward {fw:6.1f}) + sample {sa:5.1f} + rest {gap - ex - sa:5.1f}"
         )
 
 
