@@ -102,19 +102,42 @@ class StepCostModel:
     #: the prior slope weighs as much as this many squared token-count deviations of data
     PRIOR_WEIGHT = 4.0
 
-    def __init__(self) -> None:
+    def __init__(self, skip_first: bool = True) -> None:
+        #: leave out each shape's first step (``_first_of_shape``); False for an engine without
+        #: one-time costs (the unit tests' synthetic ones)
+        self.skip_first = skip_first
         self.target = OnlineFit(2)
         self.draft = OnlineFit(3)
         self._mean_tokens = self._mean_seconds = 0.0  # decayed means of plain/verify steps
         self._frozen: tuple | None = None
+        #: shapes measured once already (a target forward's tokens, a draft step's rows): the
+        #: first step of each shape is not a sample (see ``_first_of_shape``)
+        self._seen: set[tuple[str, int]] = set()
+
+    def _first_of_shape(self, kind: str, shape: int) -> bool:
+        """Whether this is the engine's first step of this shape. Such a step carries one-time
+        costs: the drafter's first metadata and KV-group builds, oneDNN's primitives for a new
+        matrix shape on CPU. On this project's CPU they made the first draft steps of the
+        embedded model 5-10x longer than the later ones (docs/benchmarks.md, "Do no harm"), and a
+        line fitted to them judged every self-draft too dear to ever try again."""
+        key = (kind, shape)
+        if key in self._seen:
+            return False
+        if len(self._seen) < 4096:  # bounded: shapes are at most batch x (k + 1) apart
+            self._seen.add(key)
+        return True
 
     # ---- measurements ---------------------------------------------------------------------------
     def add_target(self, tokens: int, seconds: float) -> None:
+        if self.skip_first and self._first_of_shape("target", tokens):
+            return
         self.target.add((1.0, tokens), seconds)
         self._mean_tokens = 0.98 * self._mean_tokens + tokens
         self._mean_seconds = 0.98 * self._mean_seconds + seconds
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
+        if self.skip_first and self._first_of_shape("draft", rows):
+            return
         self.draft.add((1.0, layers, layers * rows), seconds)
 
     # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
@@ -516,8 +539,10 @@ class GoodputController:
         self._since_skipped_probe += 1
         if best.kind != "paid" and paid.open and self._probe_idle() + 1 >= self._probe_interval:
             # self-drafts have not run for a while: probe, unless no self-draft could pay
-            # even if every one were accepted (a probe would only cost; the next is as late)
-            if self._could_pay(cands, floor, v1):
+            # even if every one were accepted (a probe would only cost; the next is as late);
+            # once probes are as rare as they get, probe anyway: a probe also re-measures the
+            # draft step's cost, which the verdict rests on
+            if self._could_pay(cands, floor, v1) or self._probe_interval >= self.max_probe_every:
                 best = self._probe(cands, best)
             else:
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
