@@ -127,7 +127,7 @@ def train_hint(kind: str, model_path: str | None = None) -> str:
     model = f" --model {model_path} --out HEADS_DIR" if model_path else ""
     return (
         f"train them once with `vllm-selfspec train-heads --kind {kind}{model}` "
-        f"(15-20 minutes on a 2-core CPU for the embedded model), then pass "
+        f"(about 10 minutes for one kind of the embedded model's on a 2-core CPU), then pass "
         f'"heads": HEADS_DIR or leave "heads": "auto" for the embedded model'
     )
 

@@ -102,10 +102,18 @@ class StepCostModel:
     #: the prior slope weighs as much as this many squared token-count deviations of data
     PRIOR_WEIGHT = 4.0
 
+    #: a draft step runs part of the target's layers, and a head no larger than its LM head, on
+    #: its rows: one measured at more than this many times the target forward of as many tokens
+    #: carried one-time costs (on CPU an exit head's first call packs its weights), and is not a
+    #: sample. Early ones wait for the target line to be judged by.
+    MAX_DRAFT_OVER_TARGET = 1.5
+
     def __init__(self, skip_first: bool = True) -> None:
-        #: leave out each shape's first step (``_first_of_shape``); False for an engine without
-        #: one-time costs (the unit tests' synthetic ones)
+        #: leave out samples with one-time costs (``_first_of_shape``, ``MAX_DRAFT_OVER_TARGET``);
+        #: False for an engine without any (the unit tests' synthetic ones)
         self.skip_first = skip_first
+        self._held: list[tuple[float, int, float]] = []
+        self.rejected_draft_samples = 0
         self.target = OnlineFit(2)
         self.draft = OnlineFit(3)
         self._mean_tokens = self._mean_seconds = 0.0  # decayed means of plain/verify steps
@@ -136,9 +144,21 @@ class StepCostModel:
         self._mean_seconds = 0.98 * self._mean_seconds + seconds
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
-        if self.skip_first and self._first_of_shape("draft", rows):
+        if not self.skip_first:
+            self.draft.add((1.0, layers, layers * rows), seconds)
             return
-        self.draft.add((1.0, layers, layers * rows), seconds)
+        if self._first_of_shape("draft", rows):
+            return
+        if self.target_line() is None:  # judged once there is a target forward to judge by
+            if len(self._held) < 64:
+                self._held.append((layers, rows, seconds))
+            return
+        held, self._held = self._held, []
+        for n_layers, n_rows, t in (*held, (layers, rows, seconds)):
+            if t > self.MAX_DRAFT_OVER_TARGET * self.target_seconds(n_rows):
+                self.rejected_draft_samples += 1
+            else:
+                self.draft.add((1.0, n_layers, n_layers * n_rows), t)
 
     # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
     def state(self) -> tuple:

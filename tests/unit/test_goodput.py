@@ -395,15 +395,19 @@ def test_no_probe_of_a_plan_that_could_not_pay_at_any_acceptance():
     assert sum(due[-600:]) < 0.2 * 600
 
 
-def test_the_first_step_of_a_shape_is_not_a_cost_sample():
-    """A shape's first step carries one-time costs (first metadata builds, new oneDNN
-    primitives): with it as a sample, a draft step 10x its real cost would stand in the line."""
+def test_steps_with_one_time_costs_are_not_cost_samples():
+    """A shape's first step, and a draft step dearer than a target forward of as many tokens,
+    carry one-time costs (first metadata builds, new oneDNN primitives, an exit head's weights
+    packed on first use): as samples, they made a draft step 10x its real cost stand in the
+    line, and every self-draft look too dear to try."""
     costs = StepCostModel()
-    costs.add_draft(8, 1, 0.5)  # the engine's first draft step: a one-time cost
+    costs.add_draft(8, 1, 0.5)  # the engine's first draft step
+    costs.add_draft(8, 1, 0.3)  # a first use of a head: held until a target forward is known
+    costs.add_target(1, 2.0)  # the first target forward
+    costs.add_target(1, 0.05)
     for _ in range(5):
         costs.add_draft(8, 1, 0.01)
-    costs.add_target(1, 2.0)
-    for _ in range(5):
         costs.add_target(1, 0.05)
     assert costs.draft_seconds(8, 1) == pytest.approx(0.01, rel=1e-3)
     assert costs.target_seconds(1) == pytest.approx(0.05, rel=1e-3)
+    assert costs.rejected_draft_samples == 1

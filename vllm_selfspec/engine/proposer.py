@@ -793,6 +793,8 @@ class SelfSpecProposer:
         d["costs"] = {
             "target_forward_s": None if target is None else list(target),
             "draft_step_s": None if draft is None else draft.tolist(),
+            # draft steps left out as carrying one-time costs (goodput.StepCostModel)
+            "rejected_draft_samples": self.costs.rejected_draft_samples,
         }
         if self.controller is not None:  # per kind of draft: what it achieved, its calibration
             d["controller"] = self.controller.state()
