@@ -10,8 +10,9 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
 
 * ``StepCostModel`` — seconds of a target forward as a line in the step's total scheduled tokens
   (plain decode steps included), and of one draft step as ``d0 + d1·layers + d2·layers·rows``;
-  both measured online with forgetting, steps with one-time costs left out. The verify slope is bounded below (a noisy fit must not
-  make verification free) and, until the data can tell it, taken as a conservative prior.
+  both measured online with forgetting, steps with one-time costs left out. The verify slope
+  is bounded below (a noisy fit must not make verification free) and, until the data can tell
+  it, taken as a conservative prior.
 * ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
   accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one);
   for context-lookup drafts (``lookup.py``) the same per match length.
