@@ -1,6 +1,8 @@
 """Run by tests/engine/test_ray.py in a subprocess (PYTHONPATH: tests/ray_cpu, see its
 sitecustomize): vanilla vLLM and selfspec with vLLM's own Ray executor, TP=2, greedy, on the
-tiny model at argv[1]; writes their tokens and selfspec's stats as JSON to argv[2]."""
+tiny model at argv[1]; writes their tokens, selfspec's stats and what each of selfspec's workers
+says it is (asked by ``collective_rpc``, not read from Ray's forwarded logs, which may come late)
+as JSON to argv[2]."""
 
 import json
 import os
@@ -12,6 +14,8 @@ if __name__ == "__main__":
     ray.init(num_cpus=2, include_dashboard=False, resources={"vllm_cpu": 2})
     # the engine core process connects to this cluster instead of starting its own
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    # collective_rpc below sends a function to the engine core process
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
     import vllm_selfspec
@@ -38,6 +42,18 @@ if __name__ == "__main__":
         if extra:
             result["stats"] = vllm_selfspec.get_stats(llm)
             result["executor"] = type(llm.llm_engine.engine_core).__name__
+            result["workers"] = llm.collective_rpc(
+                lambda w: {
+                    "ray_actor": ray.get_runtime_context().get_actor_id(),
+                    "rank": w.rank,
+                    "worker": type(w.worker).__name__,
+                    "selfspec_runner": any(
+                        c.__name__ == "SelfSpecRunnerMixin"
+                        for c in type(w.worker.model_runner).__mro__
+                    ),
+                    "pid": os.getpid(),
+                }
+            )
         llm.llm_engine.engine_core.shutdown()
         del llm
     with open(out, "w") as f:

@@ -45,5 +45,10 @@ def test_vllms_ray_executor_tp2(tmp_path):
     res = json.loads(out.read_text())
     assert res["selfspec"] == res["vanilla"]
     assert res["stats"]["drafted_tokens"] > 0 and res["stats"]["accepted_tokens"] > 0
-    assert "Worker_TP1" in done.stdout + done.stderr, "not two TP ranks"
-    assert "RayWorkerProc" in done.stdout + done.stderr, "not vLLM's Ray executor"
+    workers = res["workers"]
+    assert sorted(w["rank"] for w in workers) == [0, 1], workers  # two TP ranks
+    assert len({w["ray_actor"] for w in workers} - {None}) == 2, workers  # in two Ray actors
+    assert len({w["pid"] for w in workers}) == 2, workers  # (two processes)
+    # SelfSpecWorker resolved by qualname there
+    assert {w["worker"] for w in workers} == {"SelfSpecWorker"}, workers
+    assert all(w["selfspec_runner"] for w in workers), workers  # and its runner given the hooks
