@@ -38,7 +38,13 @@ def _hook(worker) -> None:
         runner._forward_s = 0.0
         out = execute(scheduler_output, *a, **k)
         n = scheduler_output.total_num_scheduled_tokens
-        runner._step_log.append([t, n, _t.perf_counter() - t, 0.0, runner._forward_s])
+        per_req = scheduler_output.num_scheduled_tokens
+        # rows: requests in the step; decode: no prefill chunk in it (a request scheduled for
+        # more tokens than it verifies); emitted is filled in by sample_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        decode = all(k == 1 + len(spec.get(r, ())) for r, k in per_req.items())
+        row = [t, n, _t.perf_counter() - t, 0.0, runner._forward_s, len(per_req), decode, 0]
+        runner._step_log.append(row)
         return out
 
     def model_forward(*a, **k):  # the model's own forward, inside execute_model
@@ -52,6 +58,8 @@ def _hook(worker) -> None:
         out = sample(*a, **k)
         if runner._step_log:
             runner._step_log[-1][3] = _t.perf_counter() - t
+            ids = getattr(out, "sampled_token_ids", None) or []
+            runner._step_log[-1][7] = sum(len(x) for x in ids)
         return out
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
@@ -90,14 +98,23 @@ def main() -> None:
     log = llm.collective_rpc(_read)[0]
     print(f"{args.config}: {wall:.1f} s, {len(log)} steps")
     by_tokens: dict[int, list] = {}
-    for (t, n, ex, sa, fw), nxt in zip(log, log[1:]):
+    by_rows: dict[tuple[bool, int], list] = {}  # (decode-only, rows) -> [steps, seconds, emitted]
+    for (t, n, ex, sa, fw, rows, decode, emitted), nxt in zip(log, log[1:]):
         by_tokens.setdefault(n, []).append((nxt[0] - t, ex, sa, fw))
+        acc = by_rows.setdefault((decode, rows), [0, 0.0, 0])
+        acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + nxt[0] - t, acc[2] + emitted
     for n in sorted(by_tokens):
         rows = by_tokens[n]
         gap, ex, sa, fw = (statistics.median(r[i] for r in rows) * 1e3 for i in range(4))
         print(
             f"  {n:4d} tokens: {len(rows):4d} steps, gap {gap:6.1f} ms = execute {ex:6.1f}"
             f" (forward {fw:6.1f}) + sample {sa:5.1f} + rest {gap - ex - sa:5.1f}"
+        )
+    print("  by requests in the step (the last step left out):")
+    for (decode, rows), (steps, secs, emitted) in sorted(by_rows.items()):
+        print(
+            f"  {'decode' if decode else 'prefill'} {rows:3d} requests: {steps:4d} steps,"
+            f" {secs:6.2f} s, {emitted:5d} tokens, {emitted / secs:6.1f} tokens/s"
         )
 
 

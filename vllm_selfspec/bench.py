@@ -8,10 +8,11 @@ Each method runs in its own subprocess and engine, with greedy sampling. The met
 groups of ``--group-size``, each group live at once beside its own vanilla engine, and their timed
 repeats are *interleaved*: a repeat runs the prompts in slices of twice the batch size, each slice
 by vanilla, then by each method of the group (with a pause between runs so an idle engine's
-polling has stopped). A method's speedup is the median over repeats of its tokens/s over
-vanilla's tokens/s of the same repeat, so a machine whose speed drifts within seconds to minutes
-(docs/benchmarks.md, "The machine's speed drifts, fast") moves both alike. Writes
-``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
+polling has stopped). Before its repeats, each engine runs the whole workload once untimed (the
+warm-up), and each timed run starts from an empty prefix cache. A method's speedup is the median
+over repeats of its tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed
+drifts within seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves
+both alike. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
 ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
 
@@ -67,7 +68,6 @@ ENGINE_ARGS = dict(
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
 SETTLE_S = 1.2
-WARMUP_TOKENS = 16
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -200,12 +200,14 @@ def _worker(spec_path: str) -> int:
     llm = LLM(
         model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg, **ENGINE_ARGS
     )
-    llm.generate(
-        prompts[:1], SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS), use_tqdm=False
-    )
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
+    # warm-up: the whole workload once, untimed, slice by slice as the timed runs go, so one-time
+    # costs (the first forward of each token count, a cost model's first samples) stay out of
+    # the timed runs, as they stay out of a server that has run for a minute
+    for start, stop in chunks(len(prompts), spec["batch_size"]):
+        llm.generate(prompts[start:stop], params, use_tqdm=False)
     if selfspec:
         get_stats(llm, reset=True)
-    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
     before = _spec_counters(llm)
     token_ids: list = [None] * len(prompts)
     deterministic = True
@@ -219,6 +221,9 @@ def _worker(spec_path: str) -> int:
             start, stop, fresh = int(words[1]), int(words[2]), words[3] == "1"
             if selfspec and fresh:  # a repeat drafts only from its own requests' outputs
                 forget_outputs(llm)
+            # every timed run computes its prompts, as a server does for prompts it has not seen
+            # (not the prefix cache's copies from the warm-up and the repeats before)
+            llm.reset_prefix_cache()
             t0 = time.perf_counter()
             outputs = llm.generate(prompts[start:stop], params, use_tqdm=False)
             wall = time.perf_counter() - t0
