@@ -119,6 +119,7 @@ class StepCostModel:
         self.draft = OnlineFit(3)
         self._mean_tokens = self._mean_seconds = 0.0  # decayed means of plain/verify steps
         self._frozen: tuple | None = None
+        self._line: tuple[float, float] | None = None  # _target_line, solved once per sample
         #: shapes measured once already (a target forward's tokens, a draft step's rows): the
         #: first step of each shape is not a sample (see ``_first_of_shape``)
         self._seen: set[tuple[str, int]] = set()
@@ -143,6 +144,7 @@ class StepCostModel:
         self.target.add((1.0, tokens), seconds)
         self._mean_tokens = 0.98 * self._mean_tokens + tokens
         self._mean_seconds = 0.98 * self._mean_seconds + seconds
+        self._line = None
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
         if not self.skip_first:
@@ -170,6 +172,11 @@ class StepCostModel:
 
     # ---- predictions ----------------------------------------------------------------------------
     def _target_line(self) -> tuple[float, float] | None:
+        if self._line is None:
+            self._line = self._solve_target_line()
+        return self._line
+
+    def _solve_target_line(self) -> tuple[float, float] | None:
         if self._mean_tokens <= 0:
             return None
         per_token = self._mean_seconds / self._mean_tokens  # of the steps seen
@@ -234,6 +241,7 @@ class AcceptanceTracker:
     ) -> None:
         self.k, self.decay, self.weight, self.prior = slots, decay, weight, prior
         self.all = _Rates(np.zeros(slots), np.zeros(slots))
+        self._batch: np.ndarray | None = None  # the batch-wide rates, once per observation
 
     def new_state(self) -> _Rates:
         return _Rates(np.zeros(self.k), np.zeros(self.k))
@@ -250,13 +258,15 @@ class AcceptanceTracker:
             r.accepted *= d
             np.add.at(r.tried, slots[:reached], 1.0)
             np.add.at(r.accepted, slots[:accepted], 1.0)
+        self._batch = None
 
     def conditional(self, state: _Rates) -> np.ndarray:
         """P(accepted | the drafts before it accepted) per slot."""
         w = self.weight
-        overall = (self.all.accepted.sum() + w * self.prior) / (self.all.tried.sum() + w)
-        batch = (self.all.accepted + w * overall) / (self.all.tried + w)
-        return (state.accepted + w * batch) / (state.tried + w)
+        if self._batch is None:  # read by every request of a step: solved once per observation
+            overall = (self.all.accepted.sum() + w * self.prior) / (self.all.tried.sum() + w)
+            self._batch = (self.all.accepted + w * overall) / (self.all.tried + w)
+        return (state.accepted + w * self._batch) / (state.tried + w)
 
     def cumulative(self, state: _Rates, n: int, slots=None) -> np.ndarray:
         """P(drafts 1..j all accepted) for j = 1..n, draft j in ``slots[j]`` (default j)."""
@@ -546,10 +556,19 @@ class GoodputController:
             )
         best = Choice([0] * n, float(n), plain, plain)
         best_rate = n / plain
-        depth = max((c.max_tokens for c in scaled if not c.free), default=0)
         # each token must pay for itself by the margin: a token near break-even adds nothing
         # but the risk of a wrong estimate, wherever the rest of the step stands
         floor = (1.0 + self.margin) * base / plain
+        # draft steps are searched only if some self-draft token clears that bar (its first is
+        # its likeliest); otherwise a draft step would only add its fixed cost to the free drafts
+        depth = max(
+            (
+                c.max_tokens
+                for c in scaled
+                if not c.free and c.max_tokens and c.accept[0] > floor * (v1 + c.row_seconds)
+            ),
+            default=0,
+        )
         for steps in range(depth + 1):
             choice = self._best_for_depth(scaled, steps, base, plain, v1, floor)
             rate = choice.expected_tokens / choice.expected_seconds
