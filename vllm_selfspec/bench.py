@@ -12,8 +12,8 @@ polling has stopped). Before its repeats, each engine runs the whole workload on
 warm-up), and each timed run starts from an empty prefix cache. A method's speedup is the median
 over repeats of its tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed
 drifts within seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves
-both alike. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each
-worker's log goes to ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
+both alike. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
+``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
 
 from __future__ import annotations
@@ -224,13 +224,16 @@ def _worker(spec_path: str) -> int:
             # every timed run computes its prompts, as a server does for prompts it has not seen
             # (not the prefix cache's copies from the warm-up and the repeats before)
             llm.reset_prefix_cache()
-            ids, timed = _timed_generate(llm, prompts[start:stop], params, spec["batch_size"])
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts[start:stop], params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            ids = [list(o.outputs[0].token_ids) for o in outputs]
             for i, x in enumerate(ids, start):
                 if token_ids[i] is None:
                     token_ids[i] = x
                 elif x != token_ids[i]:  # greedy decoding should repeat itself exactly
                     deterministic = False
-            res.write(json.dumps({**timed, "tokens": sum(map(len, ids))}) + "\n")
+            res.write(json.dumps({"wall_s": wall, "tokens": sum(map(len, ids))}) + "\n")
             res.flush()
         after = _spec_counters(llm)
         result = {
@@ -245,38 +248,6 @@ def _worker(spec_path: str) -> int:
         res.write("done\n")
         res.flush()
     return 0
-
-
-def _timed_generate(llm, prompts: list, params, batch_size: int) -> tuple[list, dict]:
-    """``llm.generate(prompts, params)`` step by step (what ``LLM.generate`` does inside): the
-    output token ids in prompt order, the wall seconds, and the seconds and emitted tokens of the
-    steps that began with at least ``batch_size`` requests unfinished (``full_s``,
-    ``full_tokens``): the batch full, as in a server with a queue. A closed batch ends with a
-    tail in which the last requests decode in a thinning batch; vanilla's requests, admitted
-    together with equal ``max_tokens``, finish in lockstep and have none, a drafter's do not
-    (docs/benchmarks.md, "Do no harm, measured the way a server runs")."""
-    engine = llm.llm_engine
-    ids = [f"bench-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
-    emitted: dict[str, list[int]] = {}
-    full_s, full_tokens = 0.0, 0
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        full = engine.get_num_unfinished_requests() >= batch_size
-        t = time.perf_counter()
-        outputs = engine.step()
-        seconds = time.perf_counter() - t
-        new = 0
-        for o in outputs:
-            tokens = list(o.outputs[0].token_ids)
-            new += len(tokens) - len(emitted.get(o.request_id, ()))
-            emitted[o.request_id] = tokens
-        if full:
-            full_s, full_tokens = full_s + seconds, full_tokens + new
-    wall = time.perf_counter() - t0
-    timed = {"wall_s": wall, "full_s": full_s, "full_tokens": full_tokens}
-    return [emitted.get(rid, []) for rid in ids], timed
 
 
 class _Engine:
@@ -395,26 +366,15 @@ def run_interleaved(
                 e.ready()
             runs: dict[str, list[dict]] = {n: [] for n in names}
             for _ in range(repeats):
-                total = {
-                    n: dict.fromkeys(("wall_s", "tokens", "full_s", "full_tokens"), 0)
-                    for n in names
-                }
+                total = {n: {"wall_s": 0.0, "tokens": 0} for n in names}
                 for c, (start, stop) in enumerate(chunks(len(base["prompts"]), base["batch_size"])):
                     for n in names:
                         time.sleep(SETTLE_S)
                         run = engines[n].run(start, stop, fresh=c == 0)
-                        for key in total[n]:
-                            total[n][key] += run[key]
+                        total[n]["wall_s"] += run["wall_s"]
+                        total[n]["tokens"] += run["tokens"]
                 tps = {n: t["tokens"] / t["wall_s"] for n, t in total.items()}
-                full = {
-                    n: t["full_tokens"] / t["full_s"] if t["full_s"] else None
-                    for n, t in total.items()
-                }
                 for n in names:
-                    # tokens/s while the batch was full, over vanilla's (see _timed_generate)
-                    total[n]["full_ratio"] = (
-                        full[n] / full["vanilla"] if full[n] and full["vanilla"] else None
-                    )
                     runs[n].append(total[n])
                     ratios[n].append(tps[n] / tps["vanilla"])
             results = {n: e.finish() for n, e in engines.items()}
@@ -463,16 +423,12 @@ def summarize(
         }
     ref_tps = statistics.median(r["tokens"] / r["wall_s"] for r in ref["runs"])
     speedup = statistics.median(ratios) if ratios else tps / ref_tps
-    full_ratios = [r["full_ratio"] for r in raw["runs"] if r.get("full_ratio") is not None]
     same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
     return {
         "tokens_per_s": tps,
         "tokens_per_s_runs": tps_runs,
         "speedup": speedup,
         "speedup_runs": ratios,
-        # the same while the batch was full (a server with a queue): no closed batch's tail
-        "speedup_full": statistics.median(full_ratios) if full_ratios else None,
-        "speedup_full_runs": full_ratios,
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
         if spec and c["draft_tokens"]
         else None,
@@ -499,10 +455,9 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
 
 def markdown_table(methods: dict[str, dict]) -> str:
     lines = [
-        "| method | tok/s | speedup | speedup while full | acceptance | mean accepted/round "
-        "| tokens/layer | parity | draft/verify/policy/shadow/optimise share "
-        "| skipped attn/MLP per round |",
-        "|" + "---|" * 10,
+        "| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
+        "| parity | draft/verify/policy/shadow/optimise share | skipped attn/MLP per round |",
+        "|" + "---|" * 9,
     ]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
@@ -525,7 +480,6 @@ def markdown_table(methods: dict[str, dict]) -> str:
         )
         lines.append(
             f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
-            f"| {_fmt(m.get('speedup_full'), '.2f')}{'x' if m.get('speedup_full') else ''} "
             f"| {_fmt(m['acceptance_rate'], pct=True)} "
             f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
             f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "

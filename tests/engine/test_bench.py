@@ -41,8 +41,6 @@ def test_bench_writes_results(model_path, tmp_path):
     res = json.loads((out / "results.json").read_text())
     van, full = res["methods"]["vanilla"], res["methods"]["full"]
     assert van["speedup"] == 1.0 and van["tokens_per_layer"] == pytest.approx(1 / 30)
-    # 2 prompts at batch 2: the batch is full from the first step until the first request ends
-    assert van["speedup_full"] == 1.0 and full["speedup_full"] > 0
     assert full["parity"] == 1.0 and full["acceptance_rate"] == 1.0
     assert full["tokens_per_s"] > 0 and full["time_breakdown"]["seconds"]["draft"] > 0
     assert "| full |" in (out / "results.md").read_text()
