@@ -12,8 +12,8 @@ polling has stopped). Before its repeats, each engine runs the whole workload on
 warm-up), and each timed run starts from an empty prefix cache. A method's speedup is the median
 over repeats of its tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed
 drifts within seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves
-both alike. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes to
-``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
+both alike. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each
+worker's log goes to ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
 
 from __future__ import annotations
