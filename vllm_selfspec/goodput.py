@@ -306,6 +306,9 @@ class Choice:
     plain_seconds: float  # the plain step's predicted seconds
     probe: bool = False  # a probe or a trial after a back-off
     kind: str = ""  # "paid" (some self-drafts), "free" (lookup drafts only), "" (none)
+    #: the time calibration its seconds were predicted with (its kind's): the record divides it
+    #: out, so the calibration compares with the model's own predictions, not with itself
+    scale: float = 1.0
 
 
 @dataclass
@@ -399,7 +402,7 @@ class SafetyNet:
             self.pred_extra += choice.expected_tokens - requests
             self.real_extra += emitted - requests
         if not math.isnan(choice.expected_seconds):
-            self.pred_cost += choice.expected_seconds - plain
+            self.pred_cost += (choice.expected_seconds - plain) / choice.scale
             self.real_cost += max(0.0, seconds - plain)
         if self.steps >= self.MIN_STEPS and self.achieved < 1.0:  # measured slower than plain
             self.paused = self.pause
@@ -544,12 +547,14 @@ class GoodputController:
             if not net.open or c.max_tokens <= 0:
                 scaled.append(Candidate(0, c.accept, free=c.free))
                 continue
+            # the measured/predicted extra seconds scale a token's whole cost, its verification
+            # (v1) included: as a row cost, so that a lookup draft's is scaled too
             t = net.time_calibration()
             scaled.append(
                 Candidate(
                     c.max_tokens,
                     net.token_calibration() * c.accept,
-                    t * c.row_seconds,
+                    t * c.row_seconds + (t - 1.0) * v1,
                     t * c.plan_seconds,
                     c.free,
                 )
@@ -597,6 +602,8 @@ class GoodputController:
             self._free_idle += 1
             if free.open and self._free_idle >= self._free_interval:
                 best = self._probe(cands, best, free=True)
+        if best.kind:
+            best.scale = self.nets[best.kind].time_calibration()
         for kind, net in self.nets.items():
             net.tick(best.kind == kind)
         self._pending = best if best.kind else None
@@ -654,7 +661,7 @@ class GoodputController:
             if depth <= 0:
                 continue
             gain[i, :depth] = c.accept[:depth]
-            cost[i] = v1 + (0.0 if c.free else c.row_seconds)
+            cost[i] = v1 + c.row_seconds
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
         worth = gain > floor * cost[:, None]

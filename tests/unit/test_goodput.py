@@ -1,5 +1,7 @@
 """The goodput controller (vllm_selfspec/goodput.py) on synthetic costs and acceptance curves."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -411,3 +413,32 @@ def test_steps_with_one_time_costs_are_not_cost_samples():
     assert costs.draft_seconds(8, 1) == pytest.approx(0.01, rel=1e-3)
     assert costs.target_seconds(1) == pytest.approx(0.05, rel=1e-3)
     assert costs.rejected_draft_samples == 1
+
+
+def test_verification_measured_dearer_than_the_line_raises_the_bar_for_lookup_drafts():
+    """A lookup draft costs only its verification, so the measured/predicted extra seconds of
+    lookup steps must scale that cost. At batch 8 on the line, a verified token costs 7 ms against
+    13 ms per token of a plain step: with the margin, a first draft pays above 58% acceptance.
+    Once lookup steps measured their extra seconds at 1.5x the prediction (steps that still beat
+    plain decoding, so the safety net lets them run), the bar is 87%. (Planted bug: the scale
+    applied to draft-row costs only, which a lookup draft has none of: it kept drafting.)"""
+    costs = measured()
+    batch = 8
+    marginal = [Candidate(3, np.cumprod([0.62] * 3), free=True) for _ in range(batch)]
+    sure = [Candidate(3, np.cumprod([0.95] * 3), free=True) for _ in range(batch)]
+    ctl = GoodputController(costs, probe_every=10**9)
+    plain = costs.target_seconds(batch)
+    first = ctl.choose(marginal)
+    assert any(first.tokens)
+    ctl.settle(round(first.expected_tokens), batch, first.expected_seconds)  # as predicted
+    for _ in range(40):  # as many tokens as predicted, 1.5x the extra seconds
+        choice = ctl.choose(sure)
+        if choice.kind != "free" or math.isnan(choice.expected_seconds):
+            ctl.settle(batch, batch, plain)
+            continue
+        extra = 1.5 * (choice.expected_seconds - plain) / choice.scale
+        ctl.settle(round(choice.expected_tokens), batch, plain + extra)
+    free = ctl.nets["free"]
+    assert free.open and free.time_calibration() == pytest.approx(1.5, rel=0.05)
+    assert any(ctl.choose(sure).tokens)
+    assert not any(ctl.choose(marginal).tokens)
