@@ -15,6 +15,10 @@ engine core's scheduling and the round trips to the worker process. Compare engi
 to back only by the same token count, and mind the machine's drift (here: the same plain step
 at 62 and 84 ms a minute apart; docs/benchmarks.md, "Do no harm" alternates the engines): a
 marginal verified token's cost is the difference between token counts *within* one run.
+Then, per number of requests in a step (decode-only steps apart from those with a prompt
+chunk), the steps, their seconds and the tokens they emitted: a drafter's steps with the batch
+full against vanilla's, and its closed batch's tail (steps with fewer requests) apart. The
+warm-up is one short prompt, so a speculative engine's first steps of each shape are counted.
 """
 
 from __future__ import annotations
@@ -98,10 +102,10 @@ def main() -> None:
     log = llm.collective_rpc(_read)[0]
     print(f"{args.config}: {wall:.1f} s, {len(log)} steps")
     by_tokens: dict[int, list] = {}
-    by_rows: dict[tuple[bool, int], list] = {}  # (decode-only, rows) -> [steps, seconds, emitted]
-    for (t, n, ex, sa, fw, rows, decode, emitted), nxt in zip(log, log[1:]):
+    by_rows: dict[tuple[bool, int], list] = {}  # (decode-only, requests) -> [steps, s, tokens]
+    for (t, n, ex, sa, fw, requests, decode, emitted), nxt in zip(log, log[1:]):
         by_tokens.setdefault(n, []).append((nxt[0] - t, ex, sa, fw))
-        acc = by_rows.setdefault((decode, rows), [0, 0.0, 0])
+        acc = by_rows.setdefault((decode, requests), [0, 0.0, 0])
         acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + nxt[0] - t, acc[2] + emitted
     for n in sorted(by_tokens):
         rows = by_tokens[n]
@@ -111,9 +115,9 @@ def main() -> None:
             f" (forward {fw:6.1f}) + sample {sa:5.1f} + rest {gap - ex - sa:5.1f}"
         )
     print("  by requests in the step (the last step left out):")
-    for (decode, rows), (steps, secs, emitted) in sorted(by_rows.items()):
+    for (decode, requests), (steps, secs, emitted) in sorted(by_rows.items()):
         print(
-            f"  {'decode' if decode else 'prefill'} {rows:3d} requests: {steps:4d} steps,"
+            f"  {'decode' if decode else 'prefill'} {requests:3d} requests: {steps:4d} steps,"
             f" {secs:6.2f} s, {emitted:5d} tokens, {emitted / secs:6.1f} tokens/s"
         )
 
