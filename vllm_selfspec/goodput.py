@@ -8,11 +8,12 @@ is as high as it can be — and never, as measured, below plain decoding's.
 
 Three parts (and ``SearchBudget``, the share of time a plan search may take):
 
-* ``StepCostModel`` — seconds of a target forward as a line in the step's total scheduled tokens
-  (plain decode steps included), and of one draft step as ``d0 + d1·layers + d2·layers·rows``;
-  both measured online with forgetting, steps with one-time costs left out. The verify slope
-  is bounded below (a noisy fit must not make verification free) and, until the data can tell
-  it, taken as a conservative prior.
+* ``StepCostModel`` — seconds of a target forward as a plane in the step's requests and the
+  draft tokens it verifies (plain decode steps included: no drafts), and of one draft step as
+  ``d0 + d1·layers + d2·layers·rows``;
+  both measured online with forgetting, steps with one-time costs left out. The slopes are
+  bounded below (a noisy fit must not make verification free) and, until the data can tell
+  them, taken as conservative priors.
 * ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
   accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one);
   for context-lookup drafts (``lookup.py``) the same per match length.
@@ -21,7 +22,7 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
 Worked example (one step, batch of 2, round costs of the order docs/benchmarks.md reports for
 this project's CPU)::
 
-    target forward V(N) = 70 ms + 7 ms · N   (N = scheduled tokens: 2 plain, 2 + drafts)
+    target forward V(R, D) = 70 ms + 7 ms · R + 7 ms · D   (R = 2 requests, D = their drafts)
     draft step         = 5 ms fixed + 4 ms per drafting row
     request a: P(first j drafts accepted) = 0.9, 0.8, 0.7      (a code request)
     request b: P = 0.3, 0.1, 0.03                              (a chat request)
@@ -41,7 +42,7 @@ The safety net compares what speculation *achieved* with plain decoding at the s
 both in wall-clock seconds of whole engine cycles (one proposer call to the next: the drafting,
 the scheduler, the verifying forward, the rejection sampler and vLLM's bookkeeping, all in):
 each speculative cycle's emitted tokens per second over a plain cycle's at its batch size, the
-fitted ``B / V(B)`` corrected by what plain cycles measured beyond it (``PlainReference``;
+fitted ``B / V(B, 0)`` corrected by what plain cycles measured beyond it (``PlainReference``;
 without plain cycles in the last ``plain_every`` steps, the controller runs one). While that
 ratio's running mean is below 1 the controller drafts nothing but probes, so a wrong cost or
 acceptance estimate, or a cost the model does not see, costs a few steps, not a run.
@@ -91,16 +92,26 @@ class OnlineFit:
 class StepCostModel:
     """Measured seconds of the whole batch's steps (rank 0's under tensor parallelism).
 
-    * target forward: ``V(N) = v0 + v1·N`` over decode/verify steps, N = scheduled tokens;
+    * target forward: ``V(R, D) = v0 + v_row·R + v_tok·D`` over decode/verify steps, R = the
+      requests in the step (one sampled token each), D = the draft tokens it verifies. A request
+      and a draft token are both one scheduled token, but they do not cost the same: a request
+      brings its own KV cache to attend over and its own sampling and bookkeeping, a draft token
+      rides along in its request's rows. On this project's CPU at batch 8 a request cost ~7.5 ms
+      of a step and a verified draft token ~2.3 ms; one line in scheduled tokens took its slope
+      from whichever varied more in its window (the closed batch's tail thinning, or the drafts),
+      and swung from 2.5 to 10 ms per token between runs of the same benchmark
+      (docs/benchmarks.md, "A target line in requests and draft tokens").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 
-    #: an extra verified token costs at least this share of a plain step's seconds per token
+    #: an extra request or verified token costs at least this share of a plain step's seconds per
+    #: token
     MIN_SLOPE_SHARE = 0.05
-    #: before the data separates slope from intercept, assume this share (conservative on a GPU,
+    #: until the data separates a slope from the rest, assume this share (conservative on a GPU,
     #: where verification is nearly free; this project's CPU: docs/benchmarks.md, "Goodput")
     PRIOR_SLOPE_SHARE = 0.25
-    #: the prior slope weighs as much as this many squared token-count deviations of data
+    #: each prior slope weighs as much as this many squared count deviations of data (a ridge
+    #: towards the prior; the intercept is not penalised)
     PRIOR_WEIGHT = 4.0
 
     #: a draft step runs part of the target's layers, and a head no larger than its LM head, on
@@ -115,22 +126,21 @@ class StepCostModel:
         self.skip_first = skip_first
         self._held: list[tuple[float, int, float]] = []
         self.rejected_draft_samples = 0
-        self.target = OnlineFit(2)
+        self.target = OnlineFit(3)  # features (1, requests, draft tokens)
         self.draft = OnlineFit(3)
-        self._mean_tokens = self._mean_seconds = 0.0  # decayed means of plain/verify steps
         self._frozen: tuple | None = None
-        self._line: tuple[float, float] | None = None  # _target_line, solved once per sample
-        #: shapes measured once already (a target forward's tokens, a draft step's rows): the
-        #: first step of each shape is not a sample (see ``_first_of_shape``)
-        self._seen: set[tuple[str, int]] = set()
+        self._line: tuple[float, float, float] | None = None  # solved once per sample
+        #: shapes measured once already (a target forward's requests and tokens, a draft step's
+        #: rows): the first step of each shape is not a sample (see ``_first_of_shape``)
+        self._seen: set[tuple] = set()
 
-    def _first_of_shape(self, kind: str, shape: int) -> bool:
+    def _first_of_shape(self, kind: str, *shape: int) -> bool:
         """Whether this is the engine's first step of this shape. Such a step carries one-time
         costs: the drafter's first metadata and KV-group builds, oneDNN's primitives for a new
         matrix shape on CPU. On this project's CPU they made the first draft steps of the
         embedded model 5-10x longer than the later ones (docs/benchmarks.md, "Do no harm"), and a
         line fitted to them judged every self-draft too dear to ever try again."""
-        key = (kind, shape)
+        key = (kind, *shape)
         if key in self._seen:
             return False
         if len(self._seen) < 4096:  # bounded: shapes are at most batch x (k + 1) apart
@@ -138,12 +148,12 @@ class StepCostModel:
         return True
 
     # ---- measurements ---------------------------------------------------------------------------
-    def add_target(self, tokens: int, seconds: float) -> None:
-        if self.skip_first and self._first_of_shape("target", tokens):
+    def add_target(self, requests: int, tokens: int, seconds: float) -> None:
+        """A decode/verify step of ``requests`` requests and ``tokens`` scheduled tokens (one per
+        request plus its draft tokens) whose target forward took ``seconds``."""
+        if self.skip_first and self._first_of_shape("target", requests, tokens):
             return
-        self.target.add((1.0, tokens), seconds)
-        self._mean_tokens = 0.98 * self._mean_tokens + tokens
-        self._mean_seconds = 0.98 * self._mean_seconds + seconds
+        self.target.add((1.0, requests, tokens - requests), seconds)
         self._line = None
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
@@ -171,57 +181,57 @@ class StepCostModel:
         self._frozen = state
 
     # ---- predictions ----------------------------------------------------------------------------
-    def _target_line(self) -> tuple[float, float] | None:
+    def _target_line(self) -> tuple[float, float, float] | None:
         if self._line is None:
             self._line = self._solve_target_line()
         return self._line
 
-    def _solve_target_line(self) -> tuple[float, float] | None:
-        if self._mean_tokens <= 0:
+    def _solve_target_line(self) -> tuple[float, float, float] | None:
+        f = self.target
+        if f.count <= 0:
             return None
-        per_token = self._mean_seconds / self._mean_tokens  # of the steps seen
+        mean = f.xtx[0] / f.count  # (1, mean requests, mean draft tokens), decayed
+        mean_y = f.xty[0] / f.count
+        per_token = mean_y / (mean[1] + mean[2])  # seconds per scheduled token, of the steps seen
         prior = self.PRIOR_SLOPE_SHARE * per_token
-        coef = self.target.coefficients()
-        # the fitted slope weighs by how much the token counts seen vary (the sum of squared
-        # deviations); with one count seen it is not identified and the prior stands
-        info = self._spread() ** 2 * self.target.count
-        slope = (
-            prior
-            if coef is None
-            else ((self.PRIOR_WEIGHT * prior + info * float(coef[1])) / (self.PRIOR_WEIGHT + info))
-        )
-        slope = max(slope, self.MIN_SLOPE_SHARE * per_token)
-        mean_x = self._mean_tokens / self.target.count
-        mean_y = self._mean_seconds / self.target.count
-        return max(0.0, mean_y - slope * mean_x), slope
+        # least squares with a ridge towards the prior slopes: a slope weighs by how much its
+        # count varied (its squared deviations, net of the other's); one seen count leaves its
+        # prior standing (plain steps at one batch size: the token slope is not identified)
+        ridge = np.diag([0.0, self.PRIOR_WEIGHT, self.PRIOR_WEIGHT])
+        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior, prior]))
+        low = self.MIN_SLOPE_SHARE * per_token
+        per_row, per_draft = max(float(coef[1]), low), max(float(coef[2]), low)
+        v0 = max(0.0, mean_y - per_row * mean[1] - per_draft * mean[2])
+        return v0, per_row, per_draft
 
-    def _spread(self) -> float:
-        """Standard deviation of the token counts seen (decayed)."""
-        c = self.target.count
-        if c <= 0:
-            return 0.0
-        mean = self.target.xtx[0, 1] / c
-        return math.sqrt(max(0.0, self.target.xtx[1, 1] / c - mean * mean))
-
-    def target_line(self) -> tuple[float, float] | None:
-        """(v0, v1): a target forward of N tokens takes v0 + v1·N seconds; None before data."""
+    def target_line(self) -> tuple[float, float, float] | None:
+        """(v0, v_row, v_tok): a target forward of R requests verifying D draft tokens takes
+        v0 + v_row·R + v_tok·D seconds; None before data."""
         return self._frozen[0] if self._frozen is not None else self._target_line()
 
     def draft_coefficients(self) -> np.ndarray | None:
         return self._frozen[1] if self._frozen is not None else self.draft.coefficients()
 
-    def target_seconds(self, tokens: float) -> float | None:
+    def target_seconds(self, requests: float, drafts: float = 0.0) -> float | None:
+        """A target forward of ``requests`` requests verifying ``drafts`` draft tokens (0: a
+        plain decode step)."""
         line = self.target_line()
-        return None if line is None else line[0] + line[1] * tokens
+        return None if line is None else line[0] + line[1] * requests + line[2] * drafts
+
+    def token_seconds(self) -> float | None:
+        """What one more verified draft token adds to a target forward."""
+        line = self.target_line()
+        return None if line is None else line[2]
 
     def draft_seconds(self, layers: float, rows: int = 1) -> float | None:
         c = self.draft_coefficients()
         return None if c is None else float(c[0] + c[1] * layers + c[2] * layers * rows)
 
     def verify_seconds(self, tokens: float, batch: int = 1) -> float | None:
-        """A step in which one request verifies ``tokens`` tokens and the other ``batch - 1``
-        requests one each (what a policy's per-request time comparisons need)."""
-        return self.target_seconds(batch - 1 + tokens)
+        """A step in which one request verifies ``tokens`` tokens (its sampled one and
+        ``tokens - 1`` drafts) and the other ``batch - 1`` requests one each (what a policy's
+        per-request time comparisons need)."""
+        return self.target_seconds(batch, tokens - 1)
 
 
 @dataclass
@@ -313,7 +323,7 @@ class Choice:
 
 @dataclass
 class PlainReference:
-    """The live figure of a plain cycle's wall seconds: the target line's ``V(B)`` plus what
+    """The live figure of a plain cycle's wall seconds: the target line's ``V(B, 0)`` plus what
     plain cycles measured beyond it (the scheduler, sampling, vLLM's bookkeeping; or minus, where
     verification steps bent the line up), a decayed mean over plain cycles. The target line alone
     sees only forwards, and a cost that every speculative step carries (the rejection sampler,
@@ -323,7 +333,7 @@ class PlainReference:
     DECAY = 0.9
     #: a cycle this many times longer than predicted held an idle gap (no requests): not a sample
     MAX_RATIO = 4.0
-    over: float = 0.0  # decayed sum of (measured - V(B)) over plain cycles
+    over: float = 0.0  # decayed sum of (measured - V(B, 0)) over plain cycles
     count: float = 0.0
     since: int = 0  # steps since the last plain cycle
 
@@ -529,8 +539,8 @@ class GoodputController:
             tokens = [min(1, c.max_tokens) for c in cands]
             self._plain_pending = not any(tokens)
             return Choice(tokens, float("nan"), float("nan"), float("nan"))
-        v0, v1 = line
-        plain = self.plain.seconds(v0 + v1 * base)
+        v1 = line[2]  # a verified draft token's seconds
+        plain = self.plain.seconds(self.costs.target_seconds(base))
         self.plain.since += 1
         if self.plain.since > self.plain_every:  # no plain cycle measured for a while: one now
             self.plain.since = 0

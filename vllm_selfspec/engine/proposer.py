@@ -310,11 +310,11 @@ class SelfSpecProposer:
         t_start = time.perf_counter()
         per_req = scheduler_output.num_scheduled_tokens
         # a decode/verify step (no prefill chunk): its target forward, timed from the runner's
-        # execute_model to here, is a sample of the step-cost line in scheduled tokens
+        # execute_model to here, is a sample of the step-cost line in requests and draft tokens
         decode_step = bool(per_req) and max(per_req.values()) <= self.k + 1
         target_seconds = t_start - getattr(runner, "_selfspec_t0", t_start)
         if decode_step and target_seconds > 0:
-            self.costs.add_target(sum(per_req.values()), target_seconds)
+            self.costs.add_target(len(per_req), sum(per_req.values()), target_seconds)
         if (self.policy.timed or self.controller is not None) and self._tp > 1:
             self.costs.freeze(compat.broadcast_from_tp_rank0(self.costs.state()))
 
@@ -506,8 +506,7 @@ class SelfSpecProposer:
         """Per request its option for this step: its policy's self-draft, or the free lookup
         draft (``goodput.prefer_free``)."""
         coef = self.costs.draft_coefficients()
-        line = self.costs.target_line()
-        v1 = line[1] if line is not None else 0.0
+        v1 = self.costs.token_seconds() or 0.0
         cands = []
         for i, decision, g in active:
             layers = decision.plan.layer_cost
@@ -788,7 +787,7 @@ class SelfSpecProposer:
         d = self.stats.as_dict()
         d["policy"] = self.policy.describe()
         target, draft = self.costs.target_line(), self.costs.draft_coefficients()
-        # measured: target forward = v0 + v1 * scheduled tokens; a draft step =
+        # measured: target forward = v0 + v_row * requests + v_tok * draft tokens; a draft step =
         # d0 + d1 * layers + d2 * layers * rows (seconds)
         d["costs"] = {
             "target_forward_s": None if target is None else list(target),
