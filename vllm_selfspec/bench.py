@@ -25,12 +25,14 @@ import argparse
 import json
 import os
 import re
+import select
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +280,16 @@ class _Engine:
         self._res = os.fdopen(self._res_r, "r")
 
     def _answer(self) -> str:
-        line = self._res.readline()
+        # wait for a line while the worker lives: a worker that died can leave its pipe open in
+        # an engine process it forked, so end-of-file alone would never come
+        # (one answer per command: nothing waits in the reader's buffer while select waits)
+        line = ""
+        while True:
+            if select.select([self._res], [], [], 5.0)[0]:
+                line = self._res.readline()
+                break
+            if self.proc.poll() is not None:
+                break
         if not line:  # the worker died
             self.proc.wait()
             tail = "".join(
@@ -655,7 +666,15 @@ def _quality(args, model: str, raw: dict, methods: dict, out: Path) -> dict:
 
 def _cli(argv: list[str]) -> int:
     if argv[:1] == ["--_worker"] and len(argv) == 2:
-        return _worker(argv[1])
+        try:
+            return _worker(argv[1])
+        except BaseException:
+            # exit at once: a normal exit waits for the engine's processes, which can hang, and
+            # the parent learns of the failure only when this process is gone
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     parser = argparse.ArgumentParser(
         prog="python -m vllm_selfspec.bench",
         description=__doc__,

@@ -201,8 +201,8 @@ class StepCostModel:
         coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior, prior]))
         low = self.MIN_SLOPE_SHARE * per_token
         per_row, per_draft = max(float(coef[1]), low), max(float(coef[2]), low)
-        v0 = max(0.0, mean_y - per_row * mean[1] - per_draft * mean[2])
-        return v0, per_row, per_draft
+        v0 = max(0.0, float(mean_y - per_row * mean[1] - per_draft * mean[2]))
+        return v0, per_row, per_draft  # Python floats: the engine's stats are serialised
 
     def target_line(self) -> tuple[float, float, float] | None:
         """(v0, v_row, v_tok): a target forward of R requests verifying D draft tokens takes

@@ -49,6 +49,7 @@ def test_cost_model_fits_target_and_draft_lines():
     v0, v_row, v_tok = c.target_line()
     assert (v0, v_row, v_tok) == pytest.approx((0.05, 0.009, 0.007), rel=2e-2)  # prior weighs
     assert c.token_seconds() == v_tok
+    assert all(type(v) is float for v in c.target_line())  # the engine's stats are serialised
     assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
     assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.009 * 8 + 0.007 * 2, rel=3e-3)
     c.freeze(((1.0, 0.5, 0.25), np.array([0.0, 0.0, 1.0])))  # rank 0's figures win under TP
