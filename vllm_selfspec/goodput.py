@@ -190,8 +190,8 @@ class StepCostModel:
         f = self.target
         if f.count <= 0:
             return None
-        mean = f.xtx[0] / f.count  # (1, mean requests, mean draft tokens), decayed
-        mean_y = f.xty[0] / f.count
+        mean = (f.xtx[0] / f.count).tolist()  # (1, mean requests, mean draft tokens), decayed
+        mean_y = float(f.xty[0] / f.count)
         per_token = mean_y / (mean[1] + mean[2])  # seconds per scheduled token, of the steps seen
         prior = self.PRIOR_SLOPE_SHARE * per_token
         # least squares with a ridge towards the prior slopes: a slope weighs by how much its
@@ -201,7 +201,7 @@ class StepCostModel:
         coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior, prior]))
         low = self.MIN_SLOPE_SHARE * per_token
         per_row, per_draft = max(float(coef[1]), low), max(float(coef[2]), low)
-        v0 = max(0.0, float(mean_y - per_row * mean[1] - per_draft * mean[2]))
+        v0 = max(0.0, mean_y - per_row * mean[1] - per_draft * mean[2])
         return v0, per_row, per_draft  # Python floats: the engine's stats are serialised
 
     def target_line(self) -> tuple[float, float, float] | None:

@@ -145,3 +145,21 @@ def test_adadecode_families():
     assert m[f'{early}{{layer="8",{lab},outcome="accepted"}}'] == 4
     assert m[f'{early}{{layer="16",{lab},outcome="predicted"}}'] == 4
     assert m[f"vllm:selfspec_unconfident_walks_total{{{lab}}}"] == 3
+
+
+def test_statistics_leave_the_engine_as_python_types():
+    """vLLM's msgpack encoder refuses numpy types (``builtin`` converts them): one numpy float in
+    the controller's state killed the engine's output thread and hung its caller."""
+    import msgspec
+    import numpy as np
+
+    from vllm_selfspec.engine.stats import builtin
+
+    stats = {"costs": {"line": (np.float64(0.05), 0.002), "draft": np.array([1.0, 2.0])}}
+    stats["hist"] = [np.int64(3), "x", None]
+    out = builtin(stats)
+    assert out == {"costs": {"line": (0.05, 0.002), "draft": [1.0, 2.0]}, "hist": [3, "x", None]}
+    assert type(out["costs"]["line"][0]) is float and type(out["hist"][0]) is int
+    msgspec.msgpack.encode(out)
+    with pytest.raises(TypeError):
+        msgspec.msgpack.encode(stats)

@@ -202,6 +202,20 @@ def _exit_order(item) -> tuple[int, int]:
     return (1, 0) if key == "none" else (0, key)
 
 
+def builtin(obj: Any) -> Any:
+    """``obj`` with numpy scalars and arrays made Python numbers and lists, in dicts, lists and
+    tuples: the statistics leave the engine through vLLM's msgpack encoder, which refuses numpy
+    types (a numpy float in the controller's state once hung the benchmark: the engine's output
+    thread died on it and the caller waited for ever)."""
+    if isinstance(obj, dict):
+        return {k: builtin(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(builtin(v) for v in obj)
+    if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":
+        return obj.tolist()  # a numpy scalar's tolist() is its Python number
+    return obj
+
+
 def merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     """Stats of TP ranks are replicas: rank 0's are the engine's (kept for a clear API)."""
     return dicts[0] if dicts else {}

@@ -13,6 +13,7 @@ import time
 
 from .. import compat
 from .proposer import SelfSpecProposer
+from .stats import builtin
 
 _BaseWorker = compat.base_worker_class()
 _ModelRunnerOutput = compat.model_runner_output_class()
@@ -213,7 +214,7 @@ class SelfSpecWorker(_BaseWorker):
         drafter = getattr(self.model_runner, "drafter", None)
         if not isinstance(drafter, SelfSpecProposer):
             return {}
-        out = drafter.stats_dict()
+        out = builtin(drafter.stats_dict())
         if reset:
             drafter.stats.reset()
         return out
