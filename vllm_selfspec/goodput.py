@@ -9,7 +9,8 @@ is as high as it can be — and never, as measured, below plain decoding's.
 Three parts (and ``SearchBudget``, the share of time a plan search may take):
 
 * ``StepCostModel`` — seconds of a target forward as a plane in the step's requests and the
-  draft tokens it verifies (plain decode steps included: no drafts), and of one draft step as
+  draft tokens it verifies (plain decode steps included: no drafts), plus what a step pays once
+  for verifying any, and of one draft step as
   ``d0 + d1·layers + d2·layers·rows``;
   both measured online with forgetting, steps with one-time costs left out. The slopes are
   bounded below (a noisy fit must not make verification free) and, until the data can tell
@@ -22,7 +23,8 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
 Worked example (one step, batch of 2, round costs of the order docs/benchmarks.md reports for
 this project's CPU)::
 
-    target forward V(R, D) = 70 ms + 7 ms · R + 7 ms · D   (R = 2 requests, D = their drafts)
+    target forward V(R, D) = 70 ms + 7 ms · R + 7 ms · D   (R = 2 requests, D = their drafts;
+                                                            no fixed cost of verifying here)
     draft step         = 5 ms fixed + 4 ms per drafting row
     request a: P(first j drafts accepted) = 0.9, 0.8, 0.7      (a code request)
     request b: P = 0.3, 0.1, 0.03                              (a chat request)
@@ -92,8 +94,13 @@ class OnlineFit:
 class StepCostModel:
     """Measured seconds of the whole batch's steps (rank 0's under tensor parallelism).
 
-    * target forward: ``V(R, D) = v0 + v_row·R + v_tok·D`` over decode/verify steps, R = the
-      requests in the step (one sampled token each), D = the draft tokens it verifies. A request
+    * target forward: ``V(R, D) = v0 + v_row·R + v_tok·D + v_ver·[D > 0]`` over decode/verify
+      steps, R = the requests in the step (one sampled token each), D = the draft tokens it
+      verifies, ``v_ver`` what a step pays once for verifying any (vLLM's rejection sampler and
+      its spec-decode metadata instead of the plain sampler): a lone probe token pays it whole,
+      a step full of drafts shares it. Fitted into the per-token slope instead, it made a
+      verified token look three times its price at batch 8 on this project's CPU (7 against
+      ~2.3 ms), and no lookup draft cleared the bar where vLLM's ngram gained. A request
       and a draft token are both one scheduled token, but they do not cost the same: a request
       brings its own KV cache to attend over and its own sampling and bookkeeping, a draft token
       rides along in its request's rows. On this project's CPU at batch 8 a request cost ~7.5 ms
@@ -113,6 +120,11 @@ class StepCostModel:
     #: each prior slope weighs as much as this many squared count deviations of data (a ridge
     #: towards the prior; the intercept is not penalised)
     PRIOR_WEIGHT = 4.0
+    #: the same for the verifying step's fixed cost, prior 0: its feature (any drafts: 0 or 1)
+    #: varies by at most 1/4 a step where a count varies by several; light, so that after lone
+    #: probe tokens their excess over the token prior goes to the step, and a step of several
+    #: drafts gets tried and measured (which then tells the two apart)
+    VERIFY_PRIOR_WEIGHT = 0.25
 
     #: a draft step runs part of the target's layers, and a head no larger than its LM head, on
     #: its rows: one measured at more than this many times the target forward of as many tokens
@@ -126,10 +138,10 @@ class StepCostModel:
         self.skip_first = skip_first
         self._held: list[tuple[float, int, float]] = []
         self.rejected_draft_samples = 0
-        self.target = OnlineFit(3)  # features (1, requests, draft tokens)
+        self.target = OnlineFit(4)  # features (1, requests, draft tokens, any drafts)
         self.draft = OnlineFit(3)
         self._frozen: tuple | None = None
-        self._line: tuple[float, float, float] | None = None  # solved once per sample
+        self._line: tuple[float, float, float, float] | None = None  # solved once per sample
         #: shapes measured once already (a target forward's requests and tokens, a draft step's
         #: rows): the first step of each shape is not a sample (see ``_first_of_shape``)
         self._seen: set[tuple] = set()
@@ -153,7 +165,8 @@ class StepCostModel:
         request plus its draft tokens) whose target forward took ``seconds``."""
         if self.skip_first and self._first_of_shape("target", requests, tokens):
             return
-        self.target.add((1.0, requests, tokens - requests), seconds)
+        drafts = tokens - requests
+        self.target.add((1.0, requests, drafts, float(drafts > 0)), seconds)
         self._line = None
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
@@ -181,32 +194,37 @@ class StepCostModel:
         self._frozen = state
 
     # ---- predictions ----------------------------------------------------------------------------
-    def _target_line(self) -> tuple[float, float, float] | None:
+    def _target_line(self) -> tuple[float, float, float, float] | None:
         if self._line is None:
             self._line = self._solve_target_line()
         return self._line
 
-    def _solve_target_line(self) -> tuple[float, float, float] | None:
+    def _solve_target_line(self) -> tuple[float, float, float, float] | None:
         f = self.target
         if f.count <= 0:
             return None
-        mean = (f.xtx[0] / f.count).tolist()  # (1, mean requests, mean draft tokens), decayed
+        # (1, mean requests, mean draft tokens, share of steps with drafts), decayed
+        mean = (f.xtx[0] / f.count).tolist()
         mean_y = float(f.xty[0] / f.count)
         per_token = mean_y / (mean[1] + mean[2])  # seconds per scheduled token, of the steps seen
         prior = self.PRIOR_SLOPE_SHARE * per_token
-        # least squares with a ridge towards the prior slopes: a slope weighs by how much its
-        # count varied (its squared deviations, net of the other's); one seen count leaves its
-        # prior standing (plain steps at one batch size: the token slope is not identified)
-        ridge = np.diag([0.0, self.PRIOR_WEIGHT, self.PRIOR_WEIGHT])
-        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior, prior]))
+        # least squares with a ridge towards the priors: a coefficient weighs by how much its
+        # feature varied (its squared deviations, net of the others'); one seen count leaves its
+        # prior standing (plain steps at one batch size: the token slope is not identified). The
+        # verifying step's fixed cost starts at 0: a probe measures it (a prior above 0 would
+        # keep the first drafts, and so the measurement, from ever happening)
+        w = self.PRIOR_WEIGHT
+        ridge = np.diag([0.0, w, w, self.VERIFY_PRIOR_WEIGHT])
+        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior, prior, 0.0]))
         low = self.MIN_SLOPE_SHARE * per_token
         per_row, per_draft = max(float(coef[1]), low), max(float(coef[2]), low)
-        v0 = max(0.0, mean_y - per_row * mean[1] - per_draft * mean[2])
-        return v0, per_row, per_draft  # Python floats: the engine's stats are serialised
+        verify = max(float(coef[3]), 0.0)
+        v0 = max(0.0, mean_y - per_row * mean[1] - per_draft * mean[2] - verify * mean[3])
+        return v0, per_row, per_draft, verify  # Python floats: the engine's stats are serialised
 
-    def target_line(self) -> tuple[float, float, float] | None:
-        """(v0, v_row, v_tok): a target forward of R requests verifying D draft tokens takes
-        v0 + v_row·R + v_tok·D seconds; None before data."""
+    def target_line(self) -> tuple[float, float, float, float] | None:
+        """(v0, v_row, v_tok, v_ver): a target forward of R requests verifying D draft tokens
+        takes v0 + v_row·R + v_tok·D seconds, plus v_ver if D > 0; None before data."""
         return self._frozen[0] if self._frozen is not None else self._target_line()
 
     def draft_coefficients(self) -> np.ndarray | None:
@@ -216,7 +234,9 @@ class StepCostModel:
         """A target forward of ``requests`` requests verifying ``drafts`` draft tokens (0: a
         plain decode step)."""
         line = self.target_line()
-        return None if line is None else line[0] + line[1] * requests + line[2] * drafts
+        if line is None:
+            return None
+        return line[0] + line[1] * requests + line[2] * drafts + (line[3] if drafts > 0 else 0.0)
 
     def token_seconds(self) -> float | None:
         """What one more verified draft token adds to a target forward."""
@@ -539,7 +559,7 @@ class GoodputController:
             tokens = [min(1, c.max_tokens) for c in cands]
             self._plain_pending = not any(tokens)
             return Choice(tokens, float("nan"), float("nan"), float("nan"))
-        v1 = line[2]  # a verified draft token's seconds
+        v1, verify = line[2], line[3]  # a verified draft token's seconds; a verifying step's
         plain = self.plain.seconds(self.costs.target_seconds(base))
         self.plain.since += 1
         if self.plain.since > self.plain_every:  # no plain cycle measured for a while: one now
@@ -585,7 +605,7 @@ class GoodputController:
             default=0,
         )
         for steps in range(depth + 1):
-            choice = self._best_for_depth(scaled, steps, base, plain, v1, floor)
+            choice = self._best_for_depth(scaled, steps, base, plain, v1, floor, verify)
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
@@ -597,7 +617,10 @@ class GoodputController:
             # even if every one were accepted (a probe would only cost; the next is as late);
             # once probes are as rare as they get, probe anyway: a probe also re-measures the
             # draft step's cost, which the verdict rests on
-            if self._could_pay(cands, floor, v1) or self._probe_interval >= self.max_probe_every:
+            if (
+                self._could_pay(cands, floor, v1, verify)
+                or self._probe_interval >= self.max_probe_every
+            ):
                 best = self._probe(cands, best)
             else:
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
@@ -625,15 +648,18 @@ class GoodputController:
         return min(self.nets["paid"].idle, self._since_skipped_probe)
 
     @staticmethod
-    def _could_pay(cands: list[Candidate], floor: float, v1: float) -> bool:
+    def _could_pay(cands: list[Candidate], floor: float, v1: float, verify: float = 0.0) -> bool:
         """Whether a self-draft token could clear the per-token bar (``floor`` tokens per second
         of its own cost) in the best case: accepted for sure, its draft step shared by every
         request that can self-draft. A token's cost is its verification plus its row and its
-        share of the draft step, as measured; a plan that costs most of a target step (LayerSkip
-        at exit 28 of 30, say) cannot pay at any acceptance, so probing it is pure loss."""
+        share of the draft step and of the verifying step's fixed cost, as measured; a plan that
+        costs most of a target step (LayerSkip at exit 28 of 30, say) cannot pay at any
+        acceptance, so probing it is pure loss."""
         paid = [c for c in cands if c.max_tokens > 0 and not c.free]
         share = 1.0 / max(len(paid), 1)
-        return any(1.0 > floor * (v1 + c.row_seconds + share * c.plan_seconds) for c in paid)
+        return any(
+            1.0 > floor * (v1 + c.row_seconds + share * (c.plan_seconds + verify)) for c in paid
+        )
 
     def _clears_margin(self, choice: Choice, base: float) -> bool:
         """Whether a choice's expected extra tokens beat what plain decoding would emit in its
@@ -654,13 +680,16 @@ class GoodputController:
         return "free" if all(c.free for c in drafted) else "paid"
 
     @staticmethod
-    def _best_for_depth(cands, steps, base, plain, v1, floor: float = 0.0) -> Choice:
+    def _best_for_depth(
+        cands, steps, base, plain, v1, floor: float = 0.0, verify: float = 0.0
+    ) -> Choice:
         """With ``steps`` draft steps: the best set of draft tokens. Each token costs one verified
         token plus its row in a draft step (unless free); ranked by expected tokens per second of
         cost, the best set is a prefix of that ranking (a request's tokens come in order, since
         its P is non-increasing and its cost per token constant), the one with the highest
-        (tokens / seconds) of the whole step. A token expected to yield no more than ``floor``
-        tokens per second of its own cost is never drafted, however well the others pay."""
+        (tokens / seconds) of the whole step, which pays ``verify`` once if it verifies any
+        draft. A token expected to yield no more than ``floor`` tokens per second of its own cost
+        is never drafted, however well the others pay."""
         n = len(cands)
         width = max((c.max_tokens for c in cands), default=0)
         gain = np.zeros((n, max(width, 1)))
@@ -681,7 +710,7 @@ class GoodputController:
         g = gain[rows, cols]
         order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
         total = base + np.cumsum(g[order])
-        seconds = plain + steps * fixed + np.cumsum(cost[rows][order])
+        seconds = plain + steps * fixed + verify + np.cumsum(cost[rows][order])
         best = int(np.argmax(total / seconds))
         tokens = np.bincount(rows[order[: best + 1]], minlength=n)
         return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)

@@ -46,14 +46,16 @@ def test_online_fit_recovers_a_line_and_clips():
 
 def test_cost_model_fits_target_and_draft_lines():
     c = measured(v_row=0.009)
-    v0, v_row, v_tok = c.target_line()
+    v0, v_row, v_tok, v_ver = c.target_line()
     assert (v0, v_row, v_tok) == pytest.approx((0.05, 0.009, 0.007), rel=2e-2)  # prior weighs
+    assert v_ver == pytest.approx(0.0, abs=2e-4)
     assert c.token_seconds() == v_tok
     assert all(type(v) is float for v in c.target_line())  # the engine's stats are serialised
     assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
     assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.009 * 8 + 0.007 * 2, rel=3e-3)
-    c.freeze(((1.0, 0.5, 0.25), np.array([0.0, 0.0, 1.0])))  # rank 0's figures win under TP
-    assert c.target_seconds(2, 4) == 3.0 and c.draft_seconds(2, rows=3) == 6.0
+    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0])))  # rank 0's figures win (TP)
+    assert c.target_seconds(2, 4) == 3.5 and c.draft_seconds(2, rows=3) == 6.0
+    assert c.target_seconds(2) == 2.0
 
 
 def test_requests_and_draft_tokens_are_priced_apart():
@@ -67,17 +69,39 @@ def test_requests_and_draft_tokens_are_priced_apart():
         rows = int(rng.integers(1, 9))
         drafts = int(rng.integers(0, 3)) * rows if rng.random() < 0.5 else 0
         c.add_target(rows, rows + drafts, 0.02 + 0.0075 * rows + 0.0023 * drafts)
-    _, v_row, v_tok = c.target_line()
+    _, v_row, v_tok, _ = c.target_line()
     assert v_row == pytest.approx(0.0075, rel=0.05)
     assert v_tok == pytest.approx(0.0023, rel=0.05)
     assert c.target_seconds(1) == pytest.approx(0.0275, rel=0.02)  # the tail's plain step
+
+
+def test_a_verifying_steps_fixed_cost_is_priced_once_per_step():
+    """A step that verifies any draft pays once for it (vLLM's rejection sampler instead of the
+    plain sampler): at batch 8, 5 ms once and 2.3 ms per draft token. Folded into the slope (the
+    planted bug: no such feature), a token looks like 7 ms after a run of lone probe tokens, and
+    eight lookup drafts at 45% acceptance, which pay together, are never tried; priced once, they
+    are, while a lone draft at that acceptance still does not pay for the whole fixed cost."""
+    c = StepCostModel(skip_first=False)
+    for rows in (8, 8, 8, 7, 6):
+        for drafts in (0, 1, 1, 1, 2, 4, 8, 0):
+            c.add_target(
+                rows, rows + drafts, 0.05 + 0.001 * rows + 0.0023 * drafts + 0.005 * bool(drafts)
+            )
+    _, _, v_tok, v_ver = c.target_line()
+    assert v_tok == pytest.approx(0.0023, rel=0.1)  # the ridge towards the priors weighs a little
+    assert v_ver == pytest.approx(0.005, rel=0.2)
+    lookup = Candidate(1, np.array([0.45]), free=True)
+    ctl = GoodputController(c, probe_every=10**9)
+    assert sum(ctl.choose([lookup] * 8).tokens) == 8
+    assert sum(ctl.choose([lookup] + [Candidate(0, np.zeros(0))] * 7).tokens) == 0
 
 
 def test_one_token_count_gives_the_prior_slope_not_a_free_verification():
     c = StepCostModel()
     for _ in range(10):
         c.add_target(8, 8, 0.110)  # plain steps at batch 8 only: no slope is identified
-    v0, v_row, v_tok = c.target_line()
+    v0, v_row, v_tok, v_ver = c.target_line()
+    assert v_ver == 0.0
     assert v_tok == pytest.approx(StepCostModel.PRIOR_SLOPE_SHARE * 0.110 / 8)
     assert v_row == pytest.approx(StepCostModel.PRIOR_SLOPE_SHARE * 0.110 / 8)
     assert v0 + 8 * v_row == pytest.approx(0.110)
@@ -89,8 +113,10 @@ def test_noisy_negative_slope_is_bounded_below():
     for i in range(40):  # batch 1, 1 or 2 tokens; noise makes 2 tokens look cheaper
         n = 1 + i % 2
         c.add_target(1, n, 0.060 - 0.004 * (n - 1) + rng.normal(0, 0.001))
-    v0, _, v1 = c.target_line()
-    assert all(type(v) is float for v in (v0, v1))  # clipped slopes too: stats are serialised
+    v0, _, v1, _ = c.target_line()
+    assert all(
+        type(v) is float for v in c.target_line()
+    )  # clipped slopes too: stats are serialised
     assert v1 >= StepCostModel.MIN_SLOPE_SHARE * 0.058 / 1.5 * 0.9
 
 
@@ -179,7 +205,7 @@ def test_free_drafts_are_verified_where_paid_ones_would_not_pay():
 
 def test_worked_example_of_the_docstring():
     c = StepCostModel()
-    c.freeze(((0.070, 0.007, 0.007), np.array([0.005, 0.0, 0.004])))
+    c.freeze(((0.070, 0.007, 0.007, 0.0), np.array([0.005, 0.0, 0.004])))
     a = Candidate(3, np.array([0.9, 0.8, 0.7]), 0.004, 0.005)
     b = Candidate(3, np.array([0.3, 0.1, 0.03]), 0.004, 0.005)
     choice = GoodputController(c, margin=0.0).choose([a, b])
@@ -219,13 +245,14 @@ def test_backs_off_when_speculation_measures_slower_than_plain_and_resumes_when_
 V0, V1, D0, D1, D2, LAYERS = 0.05, 0.007, 0.004, 0.0005, 0.0004, 8
 
 
-def simulate(ctl, batch, p, steps, rng, noise=0.05, fixed=0.0) -> float:
+def simulate(ctl, batch, p, steps, rng, noise=0.05, fixed=0.0, hidden=0.0) -> float:
     """A synthetic engine with known costs and no one-time costs under ``ctl`` (built on its own
     StepCostModel, ``skip_first=False``):
     ``batch`` requests whose drafts are each accepted with probability ``p``; a target forward
-    of N tokens takes ``V0 + V1·N`` (plus ``fixed`` when it verifies drafts: a cost the token
-    line does not separate), times uniform noise of ±``noise``. Returns the achieved tokens per
-    second over plain decoding's (``batch / V(batch)``)."""
+    of N tokens takes ``V0 + V1·N`` (plus ``fixed`` when it verifies drafts), times uniform
+    noise of ±``noise``; a cycle that verifies drafts also costs ``hidden`` outside the timed
+    forward (a cost the cost model never sees). Returns the achieved tokens per second over
+    plain decoding's (``batch / V(batch)``)."""
     costs = ctl.costs
     tracker = AcceptanceTracker(4)
     states = [tracker.new_state() for _ in range(batch)]
@@ -250,9 +277,10 @@ def simulate(ctl, batch, p, steps, rng, noise=0.05, fixed=0.0) -> float:
                 acc += 1
             tracker.observe(s, k, acc)
             emitted += 1 + acc
-        ctl.settle(emitted, batch, target + draft)
+        cycle = target + draft + (hidden if any(ks) else 0.0)
+        ctl.settle(emitted, batch, cycle)
         tokens += emitted
-        seconds += target + draft
+        seconds += cycle
     return tokens / seconds / (batch / (V0 + V1 * batch))
 
 
@@ -372,23 +400,25 @@ def test_lookup_drafts_below_the_bar_are_probed_ever_more_rarely():
     assert len({choices[i].tokens.index(1) for i in probed}) > 1  # round robin over requests
 
 
-def _with_a_fixed_cost_per_speculative_step(batch, p, measured_plain=True) -> float:
-    """Speculative steps each cost 30 ms more than the target line in scheduled tokens says
-    (vLLM's rejection sampler and bookkeeping, say): in the fitted line that cost shows only as
-    a steeper slope and a higher intercept."""
+def _with_a_fixed_cost_per_speculative_step(batch, p, measured_plain=True, **cost) -> float:
+    """Speculative cycles each cost 30 ms more than plain ones: ``fixed=`` in the timed target
+    forward (vLLM's rejection sampler, say), or ``hidden=`` outside it (work between the engine's
+    steps), where the cost model never sees it and only whole cycles do."""
     ctl = GoodputController(StepCostModel(skip_first=False))
     if not measured_plain:  # the net's reference is the fitted line alone
         ctl.plain.seconds = lambda predicted: predicted
-    return simulate(ctl, batch, p, 1500, np.random.default_rng(1), noise=0.03, fixed=0.03)
+    return simulate(ctl, batch, p, 1500, np.random.default_rng(1), noise=0.03, **cost)
 
 
 @pytest.mark.parametrize("batch,p", [(1, 0.6), (4, 0.8)])
-def test_plain_cycles_measured_catch_a_cost_the_line_hides(batch, p):
-    """The safety net compares speculative cycles with *measured* plain cycles: against the
-    fitted line alone (inflated at the plain batch size by the speculative steps' fixed cost)
-    the same run kept drafting at a loss."""
-    assert _with_a_fixed_cost_per_speculative_step(batch, p) >= 0.97
-    assert _with_a_fixed_cost_per_speculative_step(batch, p, measured_plain=False) < 0.95
+def test_a_fixed_cost_of_speculative_steps_is_seen_by_the_line_or_the_net(batch, p):
+    """In the timed forward the cost model prices it (``v_ver``), even with the safety net's
+    reference taken from the line alone (planted bug, no such feature: the cost inflates the
+    line's intercept at the plain batch size and the same run drafts at a loss, 0.9x); outside
+    it, the safety net's measured cycles catch it."""
+    assert _with_a_fixed_cost_per_speculative_step(batch, p, fixed=0.03) >= 0.97
+    assert _with_a_fixed_cost_per_speculative_step(batch, p, False, fixed=0.03) >= 0.97
+    assert _with_a_fixed_cost_per_speculative_step(batch, p, hidden=0.03) >= 0.97
 
 
 def test_the_plain_reference_ignores_idle_gaps_and_corrects_the_line():

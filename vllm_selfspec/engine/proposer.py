@@ -787,7 +787,8 @@ class SelfSpecProposer:
         d = self.stats.as_dict()
         d["policy"] = self.policy.describe()
         target, draft = self.costs.target_line(), self.costs.draft_coefficients()
-        # measured: target forward = v0 + v_row * requests + v_tok * draft tokens; a draft step =
+        # measured: target forward = v0 + v_row * requests + v_tok * draft tokens (+ v_ver if
+        # any); a draft step =
         # d0 + d1 * layers + d2 * layers * rows (seconds)
         d["costs"] = {
             "target_forward_s": None if target is None else list(target),
