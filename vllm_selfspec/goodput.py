@@ -96,18 +96,23 @@ class StepCostModel:
 
     * target forward: ``V(R, D) = v0 + v_row·R + v_tok·D + v_ver·[D > 0]`` over decode/verify
       steps, R = the requests in the step (one sampled token each), D = the draft tokens it
-      verifies, ``v_ver`` what a step pays once for verifying any (vLLM's rejection sampler and
-      its spec-decode metadata instead of the plain sampler): a lone probe token pays it whole,
-      a step full of drafts shares it. Fitted into the per-token slope instead, it made a
-      verified token look three times its price at batch 8 on this project's CPU (7 against
-      ~2.3 ms), and no lookup draft cleared the bar where vLLM's ngram gained. A request
-      and a draft token are both one scheduled token, but they do not cost the same: a request
-      brings its own KV cache to attend over and its own sampling and bookkeeping, a draft token
-      rides along in its request's rows. On this project's CPU at batch 8 a request cost ~7.5 ms
-      of a step and a verified draft token ~2.3 ms; one line in scheduled tokens took its slope
-      from whichever varied more in its window (the closed batch's tail thinning, or the drafts),
-      and swung from 2.5 to 10 ms per token between runs of the same benchmark
-      (docs/benchmarks.md, "A target line in requests and draft tokens").
+      verifies. Three things are priced apart because they do not cost alike:
+
+      - a request brings its own KV cache, sampling and bookkeeping; a draft token rides along
+        in its request's rows. One line in scheduled tokens took its slope from whichever varied
+        more in its window (the closed batch's tail thinning, or the drafts) and swung from 2.5
+        to 10 ms per token between runs of the same benchmark at batch 8 on this project's CPU;
+      - a step that verifies any draft pays once for it (vLLM's rejection sampler and its
+        spec-decode metadata in place of the plain sampler): a lone probe token pays it whole,
+        a step full of drafts shares it;
+      - the machine's speed drifts (the same plain step at 62 and 84 ms a minute apart here).
+        Drafting steps are rare where drafts do not pay, so a line fitted over all steps at
+        once blamed the drift of the moment on the few drafts in its window (a verified token
+        at 7-10 ms against ~2.3). So the plain plane ``v0 + v_row·R`` is fitted on plain steps,
+        a fast-moving ``drift`` follows the plain steps' latest residuals, and a drafting step
+        is a sample of ``v_tok·D + v_ver`` only over the plain plane *plus the drift of the
+        moment*, fitted on drafting steps alone (so its evidence is not forgotten while no
+        one drafts). Predictions include the drift (docs/benchmarks.md, "Pricing verification").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 
@@ -125,6 +130,8 @@ class StepCostModel:
     #: probe tokens their excess over the token prior goes to the step, and a step of several
     #: drafts gets tried and measured (which then tells the two apart)
     VERIFY_PRIOR_WEIGHT = 0.25
+    #: how fast ``drift`` follows plain steps (the share of the old value kept per plain step)
+    DRIFT_DECAY = 0.7
 
     #: a draft step runs part of the target's layers, and a head no larger than its LM head, on
     #: its rows: one measured at more than this many times the target forward of as many tokens
@@ -138,7 +145,12 @@ class StepCostModel:
         self.skip_first = skip_first
         self._held: list[tuple[float, int, float]] = []
         self.rejected_draft_samples = 0
-        self.target = OnlineFit(4)  # features (1, requests, draft tokens, any drafts)
+        self.plain = OnlineFit(2)  # plain steps: (1, requests) -> seconds
+        self.verify = OnlineFit(2)  # drafting steps: (draft tokens, 1) -> seconds over the plain
+        self.drift = 0.0  # plain steps' recent residual over the plain plane (seconds)
+        #: per request count, the plain steps' seconds, decayed fast (``DRIFT_DECAY``): what a
+        #: drafting step of that size is measured against
+        self._recent: dict[int, float] = {}
         self.draft = OnlineFit(3)
         self._frozen: tuple | None = None
         self._line: tuple[float, float, float, float] | None = None  # solved once per sample
@@ -166,7 +178,18 @@ class StepCostModel:
         if self.skip_first and self._first_of_shape("target", requests, tokens):
             return
         drafts = tokens - requests
-        self.target.add((1.0, requests, drafts, float(drafts > 0)), seconds)
+        recent = self._recent.get(requests)  # the latest plain steps' seconds at this size
+        if drafts == 0:
+            plain = self._plain_seconds(requests)
+            if plain is not None:
+                self.drift += (1.0 - self.DRIFT_DECAY) * (seconds - plain - self.drift)
+            self.plain.add((1.0, requests), seconds)
+            if recent is not None:
+                self._recent[requests] = recent + (1.0 - self.DRIFT_DECAY) * (seconds - recent)
+            elif len(self._recent) < 4096:  # bounded: one entry per batch size
+                self._recent[requests] = seconds
+        elif recent is not None:  # over plain steps of its size, at the speed of the moment
+            self.verify.add((drafts, 1.0), seconds - recent)
         self._line = None
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
@@ -199,28 +222,43 @@ class StepCostModel:
             self._line = self._solve_target_line()
         return self._line
 
-    def _solve_target_line(self) -> tuple[float, float, float, float] | None:
-        f = self.target
+    def _plain_fit(self) -> tuple[float, float, float] | None:
+        """(v0, v_row, seconds per token of a plain step) of the plain plane; None before data."""
+        f = self.plain
         if f.count <= 0:
             return None
-        # (1, mean requests, mean draft tokens, share of steps with drafts), decayed
-        mean = (f.xtx[0] / f.count).tolist()
-        mean_y = float(f.xty[0] / f.count)
-        per_token = mean_y / (mean[1] + mean[2])  # seconds per scheduled token, of the steps seen
+        mean_r, mean_y = float(f.xtx[0, 1] / f.count), float(f.xty[0] / f.count)
+        per_token = mean_y / mean_r
         prior = self.PRIOR_SLOPE_SHARE * per_token
-        # least squares with a ridge towards the priors: a coefficient weighs by how much its
-        # feature varied (its squared deviations, net of the others'); one seen count leaves its
-        # prior standing (plain steps at one batch size: the token slope is not identified). The
-        # verifying step's fixed cost starts at 0: a probe measures it (a prior above 0 would
-        # keep the first drafts, and so the measurement, from ever happening)
-        w = self.PRIOR_WEIGHT
-        ridge = np.diag([0.0, w, w, self.VERIFY_PRIOR_WEIGHT])
-        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior, prior, 0.0]))
-        low = self.MIN_SLOPE_SHARE * per_token
-        per_row, per_draft = max(float(coef[1]), low), max(float(coef[2]), low)
-        verify = max(float(coef[3]), 0.0)
-        v0 = max(0.0, mean_y - per_row * mean[1] - per_draft * mean[2] - verify * mean[3])
-        return v0, per_row, per_draft, verify  # Python floats: the engine's stats are serialised
+        # least squares with a ridge towards the prior slope: it weighs by how much the request
+        # counts varied (their squared deviations); one count seen leaves the prior standing
+        ridge = np.diag([0.0, self.PRIOR_WEIGHT])
+        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior]))
+        per_row = max(float(coef[1]), self.MIN_SLOPE_SHARE * per_token)
+        return max(0.0, mean_y - per_row * mean_r), per_row, per_token
+
+    def _plain_seconds(self, requests: int) -> float | None:
+        """The plain plane's seconds for ``requests`` requests, without the drift."""
+        fit = self._plain_fit()
+        return None if fit is None else fit[0] + fit[1] * requests
+
+    def _solve_target_line(self) -> tuple[float, float, float, float] | None:
+        plain = self._plain_fit()
+        if plain is None:
+            return None
+        v0, per_row, per_token = plain
+        # the drafting steps' excess over the plain plane: a ridge towards the prior token cost,
+        # and, lightly, towards no fixed cost (a step of lone probe tokens cannot tell the two
+        # apart: their excess goes mostly to the step, so several drafts get tried together,
+        # which then tells them apart; a prior above 0 would keep them from ever being tried)
+        prior = self.PRIOR_SLOPE_SHARE * per_token
+        ridge = np.diag([self.PRIOR_WEIGHT, self.VERIFY_PRIOR_WEIGHT])
+        f = self.verify
+        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([prior, 0.0]))
+        per_draft = max(float(coef[0]), self.MIN_SLOPE_SHARE * per_token)
+        verify = max(float(coef[1]), 0.0)
+        # Python floats: the engine's stats are serialised
+        return max(0.0, v0 + self.drift), per_row, per_draft, verify
 
     def target_line(self) -> tuple[float, float, float, float] | None:
         """(v0, v_row, v_tok, v_ver): a target forward of R requests verifying D draft tokens
@@ -550,12 +588,13 @@ class GoodputController:
         n = len(cands)
         base = float(n if tokens is None else tokens)
         line = self.costs.target_line()
-        if (
-            line is None
-            or self.costs.draft_coefficients() is None
-            and not all(c.free for c in cands if c.max_tokens)
+        if line is None:  # no plain step measured yet: one now (drafting steps are priced over it)
+            self._plain_pending = True
+            return Choice([0] * n, float("nan"), float("nan"), float("nan"))
+        if self.costs.draft_coefficients() is None and not all(
+            c.free for c in cands if c.max_tokens
         ):
-            # nothing measured yet: one draft token per request, so the costs get measured
+            # no draft step measured yet: one draft token per request, so its cost gets measured
             tokens = [min(1, c.max_tokens) for c in cands]
             self._plain_pending = not any(tokens)
             return Choice(tokens, float("nan"), float("nan"), float("nan"))
