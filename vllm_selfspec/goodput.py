@@ -455,10 +455,17 @@ class SafetyNet:
             return 1.0
         return min(1.25, max(0.25, self.real_extra / self.pred_extra))
 
+    #: the range of the time calibration. Below 1 it says the cost model prices these steps
+    #: dearer than whole cycles measure them; at batch 1 and 8 on this project's CPU lookup steps
+    #: sat at a floor of 0.8 for whole runs (docs/benchmarks.md, "Pricing verification"), so the
+    #: floor is lower, and the safety net still judges them by their measured cycles
+    TIME_CALIBRATION = (0.5, 4.0)
+
     def time_calibration(self) -> float:
         if self.steps < self.MIN_STEPS or self.pred_cost <= 0:
             return 1.0
-        return min(4.0, max(0.8, self.real_cost / self.pred_cost))
+        low, high = self.TIME_CALIBRATION
+        return min(high, max(low, self.real_cost / self.pred_cost))
 
     def record(
         self, choice: Choice, emitted: int, requests: int, seconds: float, plain: float
