@@ -576,6 +576,8 @@ class GoodputController:
         """The self-drafting steps' achieved/predicted extra tokens."""
         return self.nets["paid"].token_calibration()
 
+    #: the most tokens a lookup-draft probe verifies (``_probe``)
+    FREE_PROBE_TOKENS = 4
     #: steps around a self-draft (after one, before a probe) in which feedback for self-drafting
     #: (DEL's shadow tokens) is worth its cost
     FEEDBACK_STEPS = 8
@@ -764,8 +766,12 @@ class GoodputController:
 
     def _probe(self, cands: list[Candidate], best: Choice, free: bool = False) -> Choice:
         """One draft token of one request (round robin) that the choice left out, a self-draft
-        (or, ``free``, a lookup draft), to re-measure acceptance; the next probe of that kind
-        comes twice as late unless such drafts are chosen before it."""
+        (or, ``free``, a lookup draft: the whole of it, up to ``FREE_PROBE_TOKENS``), to
+        re-measure acceptance; the next probe of that kind comes twice as late unless such drafts
+        are chosen before it. A lookup probe costs only its verification, and its several
+        tokens are what tell the cost of a verified token from a verifying step's fixed cost
+        (one token at a time, noise in a few lone probes priced the step so high at batch 1 that
+        lookup drafts never ran again in a short engine test)."""
         if free:
             self._free_interval = min(2 * self._free_interval, self.max_probe_every)
             self._free_idle = 0
@@ -779,8 +785,8 @@ class GoodputController:
         i = options[self._probe_turn % len(options)]
         self._probe_turn += 1
         tokens = list(best.tokens)
-        tokens[i] = 1
-        expected = best.expected_tokens + float(cands[i].accept[0])
+        tokens[i] = min(cands[i].max_tokens, self.FREE_PROBE_TOKENS) if free else 1
+        expected = best.expected_tokens + float(np.sum(cands[i].accept[: tokens[i]]))
         return Choice(
             tokens,
             expected,

@@ -409,18 +409,20 @@ def test_search_budget_forgets_old_credit():
 
 def test_lookup_drafts_below_the_bar_are_probed_ever_more_rarely():
     # a lookup estimate that fell below what pays at batch 8 would otherwise never be tried
-    # again, and so never recover: one lookup token of one request, now and then, like self-drafts
+    # again, and so never recover: one request's lookup draft (its first FREE_PROBE_TOKENS
+    # tokens, so that a token's cost and the verifying step's are told apart), now and then
     costs = measured()
     ctl = GoodputController(costs)
-    low = [Candidate(4, np.cumprod([0.05] * 4), free=True) for _ in range(8)]
+    low = [Candidate(6, np.cumprod([0.05] * 6), free=True) for _ in range(8)]
     choices = [ctl.choose(low) for _ in range(1000)]
     probed = [i for i, c in enumerate(choices) if any(c.tokens)]
-    assert all(choices[i].probe and sum(choices[i].tokens) == 1 for i in probed)
+    k = GoodputController.FREE_PROBE_TOKENS
+    assert all(choices[i].probe and sorted(choices[i].tokens) == [0] * 7 + [k] for i in probed)
     assert choices[probed[0]].kind == "free"
     assert 4 <= len(probed) <= 10
     gaps = np.diff(probed)
     assert (gaps[1:] >= gaps[:-1]).all() and gaps[-1] <= 512
-    assert len({choices[i].tokens.index(1) for i in probed}) > 1  # round robin over requests
+    assert len({choices[i].tokens.index(k) for i in probed}) > 1  # round robin over requests
 
 
 def _with_a_fixed_cost_per_speculative_step(batch, p, measured_plain=True, **cost) -> float:
