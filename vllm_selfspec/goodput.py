@@ -109,10 +109,11 @@ class StepCostModel:
         Drafting steps are rare where drafts do not pay, so a line fitted over all steps at
         once blamed the drift of the moment on the few drafts in its window (a verified token
         at 7-10 ms against ~2.3). So the plain plane ``v0 + v_row·R`` is fitted on plain steps,
-        a fast-moving ``drift`` follows the plain steps' latest residuals, and a drafting step
-        is a sample of ``v_tok·D + v_ver`` only over the plain plane *plus the drift of the
-        moment*, fitted on drafting steps alone (so its evidence is not forgotten while no
-        one drafts). Predictions include the drift (docs/benchmarks.md, "Pricing verification").
+        a fast-moving ``drift`` follows the plain steps' latest residuals (predictions include
+        it), and a drafting step is a sample of ``v_tok·D + v_ver`` over *the latest plain
+        steps of its size* (a fast average per request count: the speed of the moment),
+        fitted on drafting steps alone, so its evidence is not forgotten while no one drafts
+        (docs/benchmarks.md, "Pricing verification").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 
