@@ -788,8 +788,7 @@ class SelfSpecProposer:
         d["policy"] = self.policy.describe()
         target, draft = self.costs.target_line(), self.costs.draft_coefficients()
         # measured: target forward = v0 + v_row * requests + v_tok * draft tokens (+ v_ver if
-        # any); a draft step =
-        # d0 + d1 * layers + d2 * layers * rows (seconds)
+        # any); a draft step = d0 + d1 * layers + d2 * layers * rows (seconds)
         d["costs"] = {
             "target_forward_s": None if target is None else list(target),
             "draft_step_s": None if draft is None else draft.tolist(),
