@@ -10,9 +10,8 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
 
 * ``StepCostModel`` — seconds of a target forward as a plane in the step's requests and the
   draft tokens it verifies (plain decode steps included: no drafts), plus what a step pays once
-  for verifying any, and of one draft step as
-  ``d0 + d1·layers + d2·layers·rows``;
-  both measured online with forgetting, steps with one-time costs left out. The slopes are
+  for verifying any, and of one draft step as ``d0 + d1·layers + d2·layers·rows``; both
+  measured online with forgetting, steps with one-time costs left out. The slopes are
   bounded below (a noisy fit must not make verification free) and, until the data can tell
   them, taken as conservative priors.
 * ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
@@ -609,7 +608,9 @@ class GoodputController:
             tokens = [min(1, c.max_tokens) for c in cands]
             self._plain_pending = not any(tokens)
             return Choice(tokens, float("nan"), float("nan"), float("nan"))
-        v1, verify = line[2], line[3]  # a verified draft token's seconds; a verifying step's
+        # a verified draft token's seconds; a verifying step's fixed seconds (not scaled by a
+        # time calibration below, though the record divides a choice's whole extra by its scale)
+        v1, verify = line[2], line[3]
         plain = self.plain.seconds(self.costs.target_seconds(base))
         self.plain.since += 1
         if self.plain.since > self.plain_every:  # no plain cycle measured for a while: one now
