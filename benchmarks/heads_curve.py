@@ -41,8 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-#: exit layers whose stream ``data`` stores
-LAYERS = (6, 8, 9, 10, 12)
+#: streams ``data`` stores: the embeddings (0), exit layers, and the final layer's normed output
+#: (HF's last hidden state: what the LM head reads, the ``deep`` head's input)
+LAYERS = (0, 6, 8, 9, 10, 12, 30)
 HELD_OUT = ("humaneval", "chat", "passages")
 MODEL = "smollm2-135m-instruct"
 
@@ -127,6 +128,36 @@ def data(args) -> None:
         _capture(d, name)
 
 
+def deep_head(d: int, b: int, max_offset: int):
+    """An untrained ``DeepHead`` (below): hidden size ``d``, bottleneck ``b``, offsets up to
+    ``max_offset``."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class DeepHead(nn.Module):
+        """EAGLE's input at an exit: the stream after layer L at position t and the final layer's
+        normed output at position t - o, which a verification has already computed (o = 1 for
+        the first draft token after it, o = j for the j-th). ``h + Up(SiLU(Gate(u)) * Down(u))``
+        over ``u = [rmsnorm(h); f] + offset(o)``; Up and the offset table start at zero."""
+
+        def __init__(self, d: int, b: int, max_offset: int) -> None:
+            super().__init__()
+            self.gate = nn.Linear(2 * d, b, bias=False)
+            self.down = nn.Linear(2 * d, b, bias=False)
+            self.up = nn.Linear(b, d, bias=False)
+            self.offset = nn.Embedding(max_offset + 1, 2 * d)
+            nn.init.zeros_(self.up.weight)
+            nn.init.zeros_(self.offset.weight)
+
+        def forward(self, h, f, o):
+            u = torch.cat((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), f), -1)
+            u = u + self.offset(o)
+            return h + self.up(F.silu(self.gate(u)) * self.down(u))
+
+    return DeepHead(d, b, max_offset)
+
+
 def train(args) -> None:
     import torch
     import torch.nn.functional as F
@@ -187,30 +218,43 @@ def train(args) -> None:
             h2 = h + self.o_proj(o.transpose(0, 1).reshape(n, H * D))
             return h2 + self.mlp(self.post_norm(h2))
 
+    offsets = [int(x) for x in args.offsets.split(",")]
     if args.kind in ("layer", "raw1"):
         head = SharedKVLayer(model.model.layers[L])
     elif args.kind == "mlp":
         head = CascadeHead(cfg.hidden_size, 512)
+    elif args.kind == "deep":
+        head = deep_head(cfg.hidden_size, 512, max(offsets))
     else:
         head = None
 
-    def run(seq):
+    def run(seq, pos=None, off=None):
+        """The head's output stream at positions ``pos`` (all: None); ``deep`` reads the final
+        layer's output ``off`` positions back (zeros before the sequence's start)."""
         h = seq["hidden"][L]
+        pos = torch.arange(len(h)) if pos is None else pos
         if head is None:
-            return h
-        return head.transform(h) if args.kind == "mlp" else head(h)
+            return h[pos]
+        if args.kind == "deep":
+            back = pos - off
+            f = seq["hidden"][30][back.clamp(min=0)] * (back >= 0)[:, None]
+            return head(h[pos], f, off.expand_as(pos))
+        return head.transform(h[pos]) if args.kind == "mlp" else head(h)[pos]
 
     @torch.no_grad()
     def evaluate():
         res = {}
-        for name, group in held_out.items():
-            hit = tot = 0
-            for s in group:
-                n, p = len(s["ids"]), s["prompt_len"]
-                pred = lm_head(norm(run(s)[p - 1 : n - 1])).argmax(-1)
-                hit += int((pred == s["topk_ids"][p - 1 : n - 1, 0]).sum())
-                tot += len(pred)
-            res[name] = round(100 * hit / max(tot, 1), 1)
+        for o in offsets if args.kind == "deep" else [0]:
+            suffix = f"@{o}" if args.kind == "deep" else ""
+            for name, group in held_out.items():
+                hit = tot = 0
+                for s in group:
+                    n, p = len(s["ids"]), s["prompt_len"]
+                    pos = torch.arange(p - 1, n - 1)
+                    pred = lm_head(norm(run(s, pos, torch.tensor(o)))).argmax(-1)
+                    hit += int((pred == s["topk_ids"][pos, 0]).sum())
+                    tot += len(pred)
+                res[name + suffix] = round(100 * hit / max(tot, 1), 1)
         return res
 
     if args.kind in ("raw", "raw1"):
@@ -229,7 +273,8 @@ def train(args) -> None:
         for i in g.sample(range(len(seqs)), args.seqs):
             s, n = seqs[i], len(seqs[i]["ids"])
             sel = torch.tensor(g.sample(range(1, n - 1), min(args.per_seq, n - 2)))
-            outs.append(run(s)[sel])
+            off = torch.tensor([g.choice(offsets) for _ in sel])
+            outs.append(run(s, sel, off))
             ids.append(s["topk_ids"][sel])
             vals.append(s["topk_logits"][sel])
             lses.append(s["lse"][sel])
@@ -247,6 +292,7 @@ def train(args) -> None:
             print(curve[-1], flush=True)
     res = {
         **{k: getattr(args, k) for k in ("kind", "layer", "steps", "seqs", "per_seq", "lr")},
+        "offsets": offsets if args.kind == "deep" else None,
         "train_frac": args.train_frac,
         "train_positions": sum(len(s["ids"]) - 2 for s in seqs),
         "seconds": round(time.time() - t0),
@@ -254,6 +300,89 @@ def train(args) -> None:
         "curve": curve,
     }
     print(json.dumps(res), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res))
+    if args.save:
+        torch.save(
+            {
+                "args": {k: v for k, v in vars(args).items() if k != "func"},
+                "state": head.state_dict(),
+            },
+            args.save,
+        )
+
+
+def chain(args) -> None:
+    """Draft chains of a layer-0 deep head on the held-out sets, exactly as an engine would draft
+    them (no decoder layer runs: draft j reads the embedding of draft j-1 and the final layer's
+    output at the verified position, offset j): per set, the share of positions whose first j
+    drafts all equal the target's greedy tokens, the mean accepted length for each fixed draft
+    length, the same when drafting stops at the first draft whose top-1 probability is below a
+    floor, and the head's own time per draft token (one row, full vocabulary, one thread)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_selfspec.models import model_dir
+
+    torch.set_num_threads(args.threads)
+    saved = torch.load(args.head)
+    if saved["args"]["layer"] != 0 or saved["args"]["kind"] != "deep":
+        raise SystemExit("chain simulates deep heads at layer 0 only (drafts run no layer)")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir(MODEL)), dtype=torch.float32)
+    embed, norm, lm_head = model.model.embed_tokens, model.model.norm, model.lm_head
+    offsets = [int(x) for x in saved["args"]["offsets"].split(",")]
+    head = deep_head(model.config.hidden_size, 512, max(offsets))
+    head.load_state_dict(saved["state"])
+    K = min(args.max_draft, max(offsets))
+    floors = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6)
+    res = {"head": args.head, "offsets": offsets, "max_draft": K}
+    with torch.no_grad():
+        for name in HELD_OUT:
+            hits = torch.zeros(K)  # positions whose first j+1 drafts are all right
+            gated = {f: [0, 0] for f in floors}  # floor -> [drafted, accepted]
+            total = 0
+            for s in torch.load(Path(args.dir) / f"eval_{name}.pt"):
+                ids, p = s["ids"], s["prompt_len"]
+                pos = torch.arange(max(p - 1, 1), len(ids) - 1)  # drafts after verified tokens
+                f = s["hidden"][30][pos - 1]
+                tok, alive, conf = ids[pos], torch.ones(len(pos), dtype=torch.bool), []
+                for j in range(1, K + 1):
+                    ok = pos + j < len(ids)
+                    z = lm_head(norm(head(embed(tok), f, torch.tensor(j).expand(len(pos)))))
+                    prob, tok = torch.softmax(z, -1).max(-1)
+                    truth = torch.where(ok, ids[(pos + j).clamp(max=len(ids) - 1)], -1)
+                    alive = alive & ok & (tok == truth)
+                    hits[j - 1] += alive.sum()
+                    conf.append((prob, alive))
+                total += len(pos)
+                for fl in floors:  # draft while every draft so far cleared the floor
+                    going = torch.ones(len(pos), dtype=torch.bool)
+                    for prob, right in conf:
+                        going = going & (prob >= fl)
+                        gated[fl][0] += int(going.sum())
+                        gated[fl][1] += int((going & right).sum())
+            rate = (hits / total).tolist()
+            res[name] = {
+                "positions": total,
+                "first_j_right": [round(r, 3) for r in rate],
+                "mean_accepted_at_k": [round(sum(rate[:k]), 3) for k in range(1, K + 1)],
+                "gated": {
+                    str(fl): {
+                        "drafted_per_step": round(d / total, 3),
+                        "accepted_per_step": round(a / total, 3),
+                    }
+                    for fl, (d, a) in gated.items()
+                },
+            }
+        x, f = embed(torch.tensor([42])), torch.randn(1, model.config.hidden_size)
+        one = torch.tensor([1])
+        for _ in range(20):
+            lm_head(norm(head(x, f, one)))
+        t0 = time.perf_counter()
+        for _ in range(200):
+            lm_head(norm(head(x, f, one))).argmax(-1)
+        res["seconds_per_draft_token"] = round((time.perf_counter() - t0) / 200, 5)
+    print(json.dumps(res, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(res))
 
@@ -270,7 +399,13 @@ def plot(args) -> None:
         for r in runs:
             label = f"{r['kind']} @ {r['layer']}, {r['train_positions'] // 1000}k positions"
             xs = [c["step"] for c in r["curve"]]
-            ax.plot(xs, [c[name] for c in r["curve"]], marker="o", label=label)
+            key = name if r["kind"] != "deep" else f"{name}@{r['offsets'][0]}"
+            if r["kind"] == "deep":
+                label = (
+                    f"deep @ {r['layer']} (+ final layer, offset {r['offsets'][0]}), "
+                    + label[label.index(",") + 2 :]
+                )
+            ax.plot(xs, [c[key] for c in r["curve"]], marker="o", label=label)
         ax.set_title(f"held-out {name}")
         ax.set_xlabel("training steps (512 positions each)")
         ax.grid(alpha=0.3)
@@ -291,7 +426,10 @@ def main(argv=None) -> None:
     p.set_defaults(func=data)
     p = sub.add_parser("train")
     p.add_argument("--dir", required=True)
-    p.add_argument("--kind", choices=["mlp", "layer", "raw", "raw1"], default="layer")
+    p.add_argument("--kind", choices=["mlp", "layer", "deep", "raw", "raw1"], default="layer")
+    p.add_argument(
+        "--offsets", default="1", help="deep: how far back the final layer's output is, e.g. 1,2,3"
+    )
     p.add_argument("--layer", type=int, default=8)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seqs", type=int, default=16)
@@ -301,7 +439,15 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--out", default="")
+    p.add_argument("--save", default="", help="write the trained head's weights here")
     p.set_defaults(func=train)
+    p = sub.add_parser("chain")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--head", required=True, help="a deep head at layer 0 saved by train --save")
+    p.add_argument("--max-draft", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="")
+    p.set_defaults(func=chain)
     p = sub.add_parser("plot")
     p.add_argument("--dir", required=True)
     p.add_argument("--out", required=True)

@@ -63,6 +63,7 @@ _TRAIN_OPTIONS = (
     "batch_size",
     "lr",
     "bottleneck",
+    "max_offset",
     "est_steps",
     "seed",
 )
@@ -71,12 +72,13 @@ _TRAIN_OPTIONS = (
 def _train_heads(args) -> int:
     import torch
 
-    from .heads.embedded import EMBEDDED_LAYERS, embedded_heads_dir
+    from .heads.embedded import EMBEDDED_FEATURE_LAYERS, EMBEDDED_LAYERS, embedded_heads_dir
     from .heads.train import TrainConfig, train_heads
 
     torch.set_num_threads(args.threads)
     if args.model is None:
-        layers = args.layers or ",".join(map(str, EMBEDDED_LAYERS))
+        default = EMBEDDED_FEATURE_LAYERS if args.kind == "feature" else EMBEDDED_LAYERS
+        layers = args.layers or ",".join(map(str, default))
         out = args.out or embedded_heads_dir(args.kind)
     elif not args.layers or not args.out:
         raise SystemExit("train-heads: --layers and --out are required with --model")
@@ -200,11 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         help="self-distil AdaDecode heads or Cascade adapters (docs/heads.md); resumable",
     )
     p.add_argument("--model", default=None, help=_MODEL_HELP)
-    p.add_argument("--kind", required=True, choices=["adadecode", "cascade"])
+    p.add_argument(
+        "--kind",
+        required=True,
+        choices=["adadecode", "cascade", "feature"],
+        help="feature: exits that also read the final layer's output at the verified position "
+        "(docs/heads.md, 'Feature heads'; trained and evaluated here, no method drafts with "
+        "them yet)",
+    )
     p.add_argument(
         "--layers",
         default=None,
-        help="comma-separated exit layers (default for the embedded model: 8,12,16,20,24)",
+        help="comma-separated exit layers (default for the embedded model: 8,12,16,20,24; "
+        "feature: 0, the embeddings)",
     )
     p.add_argument(
         "--out",
@@ -230,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lr", type=float, help="peak AdamW learning rate (default 3e-3 adadecode, 1e-3 cascade)"
     )
-    p.add_argument("--bottleneck", type=int, help="cascade adapter width (default min(512, d))")
+    p.add_argument(
+        "--bottleneck", type=int, help="cascade/feature adapter width (default min(512, d))"
+    )
+    p.add_argument(
+        "--max-offset", type=int, help="feature: draft positions trained for (default 4)"
+    )
     p.add_argument("--est-steps", type=int, help="confidence-estimator steps (cascade)")
     p.add_argument("--seed", type=int)
     p.add_argument(

@@ -22,7 +22,7 @@ from vllm_selfspec.heads import (
     save_heads,
 )
 from vllm_selfspec.heads.data import capture
-from vllm_selfspec.heads.evaluate import agreement, select_threshold
+from vllm_selfspec.heads.evaluate import agreement, head_input, select_threshold
 from vllm_selfspec.heads.losses import adadecode_loss, cascade_loss, kl_topk
 from vllm_selfspec.heads.train import TrainConfig, batch_indices, fit_transforms
 
@@ -143,6 +143,11 @@ def test_untrained_heads_are_the_raw_lm_head(model):
         torch.testing.assert_close(
             reference_logits(head, x, readout), model.lm_head(model.model.norm(x))
         )
+    # a feature head also reads the final layer's output; untrained it ignores it
+    f, offsets = torch.randn(5, 64), torch.tensor([1, 2, 3, 4, 1])
+    torch.testing.assert_close(make_head("feature", 64).transform(x, f, offsets), x)
+    assert make_head("feature", 64).max_offset == 4
+    assert make_head("feature", 64, max_offset=2).offset.weight.shape == (3, 128)
     conf = make_head("cascade", 64).confidence(x)
     assert conf.shape == (5,) and bool(((conf >= 0) & (conf <= 1)).all())
     assert make_head("cascade", 64).up.weight.shape == (64, 64)  # bottleneck min(512, d)
@@ -150,7 +155,16 @@ def test_untrained_heads_are_the_raw_lm_head(model):
 
 
 # ---- format ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["adadecode", "cascade"])
+def apply(head, x: torch.Tensor) -> torch.Tensor:
+    """``head.transform(x)``; a feature head reads a fixed random final-layer output too."""
+    if head.kind != "feature":
+        return head.transform(x)
+    g = torch.Generator().manual_seed(3)
+    f = torch.randn(x.shape, generator=g)
+    return head.transform(x, f, torch.arange(len(x)) % head.max_offset + 1)
+
+
+@pytest.mark.parametrize("kind", ["adadecode", "cascade", "feature"])
 def test_save_load_round_trip(tmp_path, model, kind):
     ident = identity_from_hf(model)
     heads = trained_like(kind)
@@ -163,9 +177,7 @@ def test_save_load_round_trip(tmp_path, model, kind):
     assert loaded.kind == kind and loaded.layers == list(LAYERS) and loaded.identity == ident
     x = torch.randn(7, 64)
     for l in LAYERS:
-        torch.testing.assert_close(
-            loaded[l].transform(x), heads[l].transform(x).detach(), rtol=0, atol=0
-        )
+        torch.testing.assert_close(apply(loaded[l], x), apply(heads[l], x).detach(), rtol=0, atol=0)
         if kind == "cascade":
             torch.testing.assert_close(
                 loaded[l].confidence(x), heads[l].confidence(x).detach(), rtol=0, atol=0
@@ -179,8 +191,21 @@ def test_save_load_round_trip(tmp_path, model, kind):
 
     with safe_open(str(out / "heads.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    assert all(128 not in s for s in shapes.values()), shapes
+    assert (128, 64) not in shapes.values(), shapes  # the LM head's [vocab, d]
     assert "1.T" in shapes if kind == "adadecode" else "1.gate.weight" in shapes
+    if kind == "feature":
+        assert shapes["1.offset.weight"] == (5, 128) and config["head"]["max_offset"] == 4
+
+
+def test_feature_heads_may_exit_at_the_embeddings_and_the_others_may_not(tmp_path, model):
+    ident = identity_from_hf(model)
+    for kind, ok in (("feature", True), ("cascade", False)):
+        out = save_heads(tmp_path / kind, HeadSet(kind, {0: make_head(kind, 64)}, ident))
+        if ok:
+            assert load_heads(out, expect=ident).layers == [0]
+        else:
+            with pytest.raises(HeadsFormatError, match=r"exit layers must be in \[1, 3\]"):
+                load_heads(out, expect=ident)
 
 
 def test_loading_for_another_model_is_a_clear_error(tmp_path, model):
@@ -273,6 +298,26 @@ def test_capture_matches_an_unbatched_forward(model):
         assert int(d.generated[rows].sum()) == len(gen) and bool(d.generated[rows][-1])
 
 
+def test_earlier_rows_are_the_same_sequence_positions_back(model):
+    """``TokenData.earlier``: the final layer's output ``o`` positions back in the same prompt
+    (a plain forward's), zeros before the prompt's first kept position."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 42))]
+    d = capture(model, prompts, [0, 4], 10, 8, {EOS})
+    idx = torch.arange(len(d))
+    for o in (1, 2, 3):
+        got = d.earlier(4, idx, torch.full_like(idx, o))
+        for r, p in enumerate(prompts):
+            rows = (d.prompt == r).nonzero()[:, 0]
+            gen = d.topk_ids[rows][d.generated[rows], 0].tolist()
+            with torch.no_grad():
+                out = model(torch.tensor([p + gen]), output_hidden_states=True)
+            final = out.hidden_states[4][0]  # HF's last hidden state: after the final norm
+            for k, i in enumerate(rows.tolist()):  # row k of prompt r is position k + 1
+                t = k + 1
+                want = final[t - o] if t - o >= 1 else torch.zeros(64)
+                torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
+
+
 # ---- training -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["adadecode", "cascade"])
 def test_training_reduces_the_loss(model, data, kind):
@@ -309,6 +354,47 @@ def test_training_reduces_the_loss(model, data, kind):
         )
     table = agreement(heads, readout, train, generated_only=False)
     assert sum(r["head_top1"] - r["raw_top1"] for r in table.values()) > 0.05, table
+
+
+def test_feature_heads_train_and_are_scored_per_offset(model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(3, 128, (int(n),), generator=g).tolist()
+        for n in torch.randint(8, 24, (48,), generator=g)
+    ]
+    train = capture(model, prompts, [0, 1, 4], 12, 16, {EOS})
+    readout = Readout(model)
+    torch.manual_seed(0)
+    heads = {l: make_head("feature", 64, max_offset=3) for l in (0, 1)}
+    rows = torch.arange(len(train))
+
+    def losses():  # on every row, each reading the final layer one position back
+        with torch.no_grad():
+            return [
+                float(
+                    cascade_loss(
+                        readout.logits(head_input(heads[l], train, l, rows, torch.ones_like(rows))),
+                        train.topk_ids,
+                        train.topk_logits,
+                        train.lse,
+                    )
+                )
+                for l in (0, 1)
+            ]
+
+    before_loss, before = losses(), agreement(heads, readout, train, generated_only=False)
+    cfg = TrainConfig(kind="feature", layers=(0, 1), steps=60, batch_size=64, lr=3e-3, max_offset=3)
+    fit_transforms(heads, readout, train, cfg, progress=False)
+    after_loss, after = losses(), agreement(heads, readout, train, generated_only=False)
+    assert after_loss[0] < 0.5 * before_loss[0] and after_loss[1] < before_loss[1], (
+        before_loss,
+        after_loss,
+    )
+    assert sum(after[l]["head_top1"] - before[l]["head_top1"] for l in ("0", "1")) > 0.03
+    for l in ("0", "1"):
+        row = after[l]
+        assert len(row["head_top1_by_offset"]) == 3
+        assert row["head_top1"] == row["head_top1_by_offset"][0]
 
 
 def test_resumed_training_equals_an_uninterrupted_run(tmp_path, model, data, monkeypatch):
@@ -415,3 +501,27 @@ def test_cli_smoke_train_and_eval(tmp_path, monkeypatch):
         for row in result["layers"].values():
             assert 0 <= row["raw_top1"] <= 1 and 0 <= row["head_top1"] <= 1
             assert (row["precision"] is None) == (row["recall"] is None) == (kind == "adadecode")
+    # feature heads: an exit at the embeddings, scored per offset (the final layer collected too)
+    args = ["train-heads", "--kind", "feature", "--out", str(tmp_path / "feature"), *common]
+    args[args.index("1,3")] = "0,2"
+    assert main([*args, "--max-offset", "2"]) == 0
+    out = tmp_path / "eval-feature.json"
+    assert (
+        main(
+            [
+                "eval-heads",
+                "--heads",
+                str(tmp_path / "feature"),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
+    layers = json.loads(out.read_text())["layers"]
+    assert set(layers) == {"0", "2"}
+    assert all(len(row["head_top1_by_offset"]) == 2 for row in layers.values())

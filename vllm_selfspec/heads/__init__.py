@@ -20,7 +20,14 @@ from .identity import (
     weights_fingerprint,
 )
 from .io import HeadSet, HeadsFormatError, load_heads, save_heads
-from .modules import AdaDecodeHead, CascadeHead, Readout, make_head, reference_logits
+from .modules import (
+    AdaDecodeHead,
+    CascadeHead,
+    FeatureHead,
+    Readout,
+    make_head,
+    reference_logits,
+)
 
 __all__ = [
     "EMBEDDED_LAYERS",
@@ -36,6 +43,7 @@ __all__ = [
     "save_heads",
     "AdaDecodeHead",
     "CascadeHead",
+    "FeatureHead",
     "Readout",
     "make_head",
     "reference_logits",

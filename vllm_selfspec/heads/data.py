@@ -3,7 +3,9 @@ with the residual stream at the exit layers and the final distribution at every 
 
 Per kept position we store
 
-* ``hidden[l]``: HF ``hidden_states[l]``, the pre-final-norm residual stream after ``l`` layers;
+* ``hidden[l]``: HF ``hidden_states[l]``, the pre-final-norm residual stream after ``l`` layers
+  (``l = 0``: the token embeddings; ``l = num_layers``: the final layer's normed output, which
+  feature heads read at earlier positions, ``TokenData.earlier``);
 * the final distribution as its top-``k`` logits + ids (``topk_ids[:, 0]`` is the final top-1)
   and its log-normaliser ``lse[:, j] = logsumexp(logits / TEMPERATURES[j])``. The full
   [tokens, 49152] distribution would be ~200 KB per token; with the log-normaliser the top-k
@@ -153,6 +155,15 @@ class TokenData:
             self.generated[idx],
             self.prompt[idx],
         )
+
+    def earlier(self, layer: int, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``hidden[layer]`` at the rows ``offsets`` positions before rows ``idx`` of the same
+        prompt, zeros where the prompt has no such kept position. A prompt's rows are
+        consecutive positions (``capture`` keeps every position from the second on, in
+        order), so the row ``i - o`` is position ``t - o`` when it is the same prompt's."""
+        back = idx - offsets
+        ok = (back >= 0) & (self.prompt[back.clamp(min=0)] == self.prompt[idx])
+        return self.hidden[layer][back.clamp(min=0)] * ok[:, None]
 
     @staticmethod
     def cat(parts: list[TokenData]) -> TokenData:

@@ -17,6 +17,9 @@ from ..models import EMBEDDED_NAME, embedded_model_dir, home
 from .identity import CONFIG_FILE
 
 EMBEDDED_LAYERS = (8, 12, 16, 20, 24)
+#: feature heads' default exit: the embeddings (docs/heads.md, "Feature heads": at exit 0 they
+#: agree as often as the adapters at exit 8, and a draft runs no decoder layer)
+EMBEDDED_FEATURE_LAYERS = (0,)
 
 
 def embedded_heads_dir(kind: str) -> Path:

@@ -31,6 +31,29 @@ def top1(readout: Readout, x: torch.Tensor, head: nn.Module | None = None) -> to
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
+def head_input(head: nn.Module, data: TokenData, layer: int, idx: torch.Tensor, offsets=None):
+    """``head.transform`` on rows ``idx`` of ``data`` at exit ``layer``; a feature head also
+    reads the final layer's output ``offsets`` positions back (``data`` holds the final layer
+    as its deepest stream)."""
+    x = data.hidden[layer][idx]
+    if getattr(head, "kind", None) != "feature":
+        return head.transform(x)
+    return head.transform(x, data.earlier(max(data.hidden), idx, offsets), offsets)
+
+
+@torch.no_grad()
+def feature_top1(
+    readout: Readout, head: nn.Module, data: TokenData, layer: int, rows: torch.Tensor, offset: int
+) -> torch.Tensor:
+    """A feature head's greedy token at ``rows``, reading the final layer ``offset`` back."""
+    out = []
+    for i in range(0, len(rows), CHUNK):
+        idx = rows[i : i + CHUNK]
+        o = torch.full_like(idx, offset)
+        out.append(readout.logits(head_input(head, data, layer, idx, o)).argmax(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
 @torch.no_grad()
 def confidence(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head.confidence(x[i : i + CHUNK]) for i in range(0, x.shape[0], CHUNK)])
@@ -75,14 +98,24 @@ def agreement(
     """Per exit layer: ``raw_top1`` (raw LM head on the layer's stream) and ``head_top1``
     (through the head) agreement with the final top-1; for heads with a confidence estimator
     also its ``precision``/``recall`` at ``head.threshold`` and the ``exit_rate`` (else None).
-    ``generated_only``: score only positions predicting generated tokens (what a drafter sees)."""
-    if generated_only:
-        data = data.select(data.generated.nonzero()[:, 0])
-    final = data.topk_ids[:, 0]
+    Feature heads: ``head_top1`` reads the final layer one position back (a round's first
+    draft token), ``head_top1_by_offset[j - 1]`` j positions back (its j-th, the tokens before
+    it right). ``generated_only``: score only positions predicting generated tokens (what a
+    drafter sees)."""
+    rows = data.generated.nonzero()[:, 0] if generated_only else torch.arange(len(data))
+    final = data.topk_ids[rows, 0]
     table: dict[str, dict[str, Any]] = {}
     for layer, head in heads.items():
-        x = data.hidden[layer]
-        correct = top1(readout, x, head) == final
+        x = data.hidden[layer][rows]
+        by_offset = None
+        if getattr(head, "kind", None) == "feature":
+            by_offset = [
+                feature_top1(readout, head, data, layer, rows, o) == final
+                for o in range(1, head.max_offset + 1)
+            ]
+            correct = by_offset[0]
+        else:
+            correct = top1(readout, x, head) == final
         row: dict[str, Any] = {
             "raw_top1": float((top1(readout, x) == final).float().mean()) if len(x) else None,
             "head_top1": float(correct.float().mean()) if len(x) else None,
@@ -91,6 +124,10 @@ def agreement(
             "exit_rate": None,
             "tokens": len(x),
         }
+        if by_offset is not None:
+            row["head_top1_by_offset"] = [
+                float(c.float().mean()) if len(x) else None for c in by_offset
+            ]
         if hasattr(head, "confidence"):
             exit_ = confidence(head, x) >= head.threshold
             row["precision"], row["recall"] = precision_recall(exit_, correct)
@@ -129,6 +166,9 @@ def evaluate_heads(
         raise ValueError(f"every prompt of {prompts!r} was used in training; nothing held out")
     ids = tokenize(tok, [p.text for p in held_out], max_prompt_tokens)
     eos = eos_ids(lm, tok)
+    # feature heads read the final layer's output too
+    final = [heads.identity.num_layers] if heads.kind == "feature" else []
+    streams = heads.layers + final
     parts = []
     for batch in tqdm(
         plan_batches([len(i) for i in ids], 8192, 32, max_new_tokens),
@@ -136,9 +176,7 @@ def evaluate_heads(
         unit="batch",
         disable=not progress,
     ):
-        parts.append(
-            capture(lm, [ids[i] for i in batch], heads.layers, max_new_tokens, 1, eos, batch)
-        )
+        parts.append(capture(lm, [ids[i] for i in batch], streams, max_new_tokens, 1, eos, batch))
     data = TokenData.cat(parts)
     table = agreement(dict(heads.items()), Readout(lm), data)
     return {

@@ -81,11 +81,20 @@ class HeadSet(Mapping):
         return self
 
 
-def head_config(kind: str, hidden_size: int, bottleneck: int | None) -> dict[str, Any]:
+def head_config(
+    kind: str, hidden_size: int, bottleneck: int | None, max_offset: int | None = None
+) -> dict[str, Any]:
     """The ``head`` section of config.json: what is needed to rebuild the modules."""
     if kind == "adadecode":
         return {"transform": "x @ T", "T_shape": [hidden_size, hidden_size]}
     b = bottleneck or min(512, hidden_size)
+    if kind == "feature":
+        return {
+            "transform": "x + up(silu(gate(u)) * down(u)), u = [rmsnorm(x); f] + offset[o]",
+            "f": "the final layer's normed output at position t - o",
+            "bottleneck": b,
+            "max_offset": max_offset,
+        }
     return {
         "transform": "x + up(silu(gate(x)) * down(x))",
         "bottleneck": b,
@@ -104,14 +113,15 @@ def save_heads(
 
     out = Path(out)
     first = next(iter(heads.values()))
-    bottleneck = first.up.weight.shape[1] if heads.kind == "cascade" else None
+    bottleneck = first.up.weight.shape[1] if heads.kind in ("cascade", "feature") else None
+    max_offset = first.max_offset if heads.kind == "feature" else None
     config = {
         "format": FORMAT,
         "version": VERSION,
         "kind": heads.kind,
         "layers": heads.layers,
         "base_model": heads.identity.to_dict(),
-        "head": head_config(heads.kind, heads.identity.hidden_size, bottleneck),
+        "head": head_config(heads.kind, heads.identity.hidden_size, bottleneck, max_offset),
         "thresholds": (
             {str(l): t for l, t in heads.thresholds.items()} if heads.kind == "cascade" else None
         ),
@@ -142,6 +152,12 @@ def save_heads(
     return out
 
 
+def min_exit_layer(kind: str) -> int:
+    """The shallowest exit a kind may have: 0 (the embeddings) for feature heads, which read
+    the final layer too; 1 for the others."""
+    return 0 if kind == "feature" else 1
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """config.json of a head directory, checked for format and version."""
     return read_saved_config(path, "head", FORMAT, VERSION, HeadsFormatError)
@@ -165,15 +181,21 @@ def load_heads(path: str | Path, *, expect: ModelIdentity | None) -> HeadSet:
     kind, layers = config["kind"], [int(l) for l in config["layers"]]
     if kind not in KINDS:
         raise HeadsFormatError(f"{path}: unknown kind {kind!r}; expected one of {KINDS}")
-    bad = [l for l in layers if not 0 < l < identity.num_layers]
+    lowest = min_exit_layer(kind)
+    bad = [l for l in layers if not lowest <= l < identity.num_layers]
     if bad or not layers:
         raise HeadsFormatError(
-            f"{path}: exit layers must be in [1, {identity.num_layers - 1}], got {layers}"
+            f"{path}: exit layers must be in [{lowest}, {identity.num_layers - 1}], got {layers}"
         )
     tensors = load_file(str(path / WEIGHTS_FILE))
     heads: dict[int, nn.Module] = {}
     for l in layers:
-        head = make_head(kind, identity.hidden_size, config["head"].get("bottleneck"))
+        head = make_head(
+            kind,
+            identity.hidden_size,
+            config["head"].get("bottleneck"),
+            config["head"].get("max_offset"),
+        )
         state = {k[len(f"{l}.") :]: v for k, v in tensors.items() if k.startswith(f"{l}.")}
         want = head.state_dict()
         problems = [f"missing {k}" for k in want if k not in state]

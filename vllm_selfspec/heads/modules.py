@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("adadecode", "cascade")
+KINDS = ("adadecode", "cascade", "feature")
+#: feature heads: the largest offset (draft position in a round) they are trained for
+FEATURE_MAX_OFFSET = 4
 
 
 class AdaDecodeHead(nn.Module):
@@ -91,12 +93,57 @@ class CascadeHead(nn.Module):
         return torch.sigmoid(self.confidence_logit(x))
 
 
-def make_head(kind: str, hidden_size: int, bottleneck: int | None = None) -> nn.Module:
-    """A fresh (untrained) head; ``bottleneck`` (cascade only) defaults to min(512, d)."""
+class FeatureHead(nn.Module):
+    """An exit that also reads the final layer: the input of Hydra's and EAGLE's draft heads on
+    a shallow exit (docs/heads.md, "Feature heads"). Its ``transform`` takes two more inputs
+    than the other kinds, so the engine's exit interface above does not apply to it.
+
+    ``transform(x, f, offset) = x + Up(SiLU(Gate(u)) ⊙ Down(u))``, ``u = [rmsnorm(x); f] + E[offset]``:
+
+    * ``x`` [N, d]: the pre-norm stream of the token at position t after ``layer`` layers (layer
+      0: the token's embedding, so a draft runs no decoder layer at all);
+    * ``f`` [N, d]: the final layer's normed output at position t - offset (HF's last hidden
+      state, what the LM head reads), which the target's last verification computed: offset 1
+      for a round's first draft token, j for its j-th (zeros where the sequence has none);
+    * ``offset`` [N] int64 in 1..max_offset; ``E`` a learned vector per offset.
+
+    ``Up`` and ``E`` start at zero, so an untrained head is the raw LM head on ``x``. The caller
+    then applies the model's own final norm and LM head, as for every kind."""
+
+    kind = "feature"
+
+    def __init__(self, hidden_size: int, bottleneck: int, max_offset: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(2 * hidden_size, bottleneck, bias=False)
+        self.down = nn.Linear(2 * hidden_size, bottleneck, bias=False)
+        self.up = nn.Linear(bottleneck, hidden_size, bias=False)
+        self.offset = nn.Embedding(max_offset + 1, 2 * hidden_size)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.offset.weight)
+
+    @property
+    def max_offset(self) -> int:
+        return self.offset.num_embeddings - 1
+
+    def transform(self, x: torch.Tensor, f: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        u = torch.cat((x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), f), -1)
+        u = u + self.offset(offset)
+        return x + self.up(F.silu(self.gate(u)) * self.down(u))
+
+
+def make_head(
+    kind: str, hidden_size: int, bottleneck: int | None = None, max_offset: int | None = None
+) -> nn.Module:
+    """A fresh (untrained) head; ``bottleneck`` (cascade, feature) defaults to min(512, d),
+    ``max_offset`` (feature) to FEATURE_MAX_OFFSET."""
     if kind == "adadecode":
         return AdaDecodeHead(hidden_size)
     if kind == "cascade":
         return CascadeHead(hidden_size, bottleneck or min(512, hidden_size))
+    if kind == "feature":
+        return FeatureHead(
+            hidden_size, bottleneck or min(512, hidden_size), max_offset or FEATURE_MAX_OFFSET
+        )
     raise ValueError(f"unknown head kind {kind!r}; expected one of {KINDS}")
 
 

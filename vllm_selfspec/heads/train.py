@@ -3,7 +3,8 @@
 1. collect (``data.collect``): greedy generations of the model on the prompt corpus, with the
    exit layers' residual streams and the final distribution (top-k + log-normaliser);
 2. fit the transforms on the ``train`` split, all layers on the same token batches
-   (AdaDecode: KL(final ‖ head); Cascade: α·CE + (1−α)·T²·KL at T = 2);
+   (AdaDecode: KL(final ‖ head); Cascade and Feature: α·CE + (1−α)·T²·KL at T = 2; a feature
+   head's rows each read the final layer 1..max_offset positions back, ``feature_offsets``);
 3. Cascade only: per layer a confidence estimator trained on the ``fit`` split (labels: the
    trained exit's exact top-1 equals the final top-1; not the ``train`` split, where the adapter's
    agreement is optimistic), its threshold chosen by F1 on ``val``;
@@ -34,11 +35,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..models import home, resolve_model
 from .data import TRAINING_SPLITS, CollectSpec, TokenData, collect, load_corpus
-from .evaluate import agreement, select_threshold, top1
+from .evaluate import agreement, head_input, select_threshold, top1
 from .identity import identity_from_hf
-from .io import HeadSet, save_heads
+from .io import HeadSet, min_exit_layer, save_heads
 from .losses import adadecode_loss, cascade_loss
-from .modules import Readout, make_head
+from .modules import FEATURE_MAX_OFFSET, KINDS, Readout, make_head
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     alpha: float = 0.5  # cascade CE weight
     temperature: float = 2.0  # cascade distillation temperature
-    bottleneck: int | None = None  # cascade; None: min(512, d)
+    bottleneck: int | None = None  # cascade, feature; None: min(512, d)
+    max_offset: int = FEATURE_MAX_OFFSET  # feature: draft positions trained for (offsets 1..)
     # confidence estimators (cascade)
     est_steps: int = 60  # ~8 epochs of the embedded fit split; more overfit (docs/heads.md)
     est_batch_size: int = 512
@@ -72,12 +74,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(sorted(set(int(l) for l in self.layers))))
-        if self.kind not in ("adadecode", "cascade"):
-            raise ValueError(f"unknown kind {self.kind!r}; expected adadecode or cascade")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r}; expected one of {KINDS}")
         if not self.layers:
             raise ValueError("no exit layers given")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("steps and batch_size must be >= 1")
+        if self.max_offset < 1:
+            raise ValueError("max_offset must be >= 1")
 
 
 def lr_factor(step: int, total: int, warmup: float) -> float:
@@ -95,6 +99,13 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> torch.Tensor
     epoch, j = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     return perm[j * batch_size : (j + 1) * batch_size]
+
+
+def feature_offsets(n: int, max_offset: int, step: int, seed: int) -> torch.Tensor:
+    """Feature heads: the offset (1..max_offset) each of a step's ``n`` rows trains at, a pure
+    function of (seed, step) as the rows are (resumed runs repeat it)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step + 7)
+    return torch.randint(1, max_offset + 1, (n,), generator=g)
 
 
 def transform_parameters(head: nn.Module) -> list[nn.Parameter]:
@@ -162,9 +173,10 @@ def fit_transforms(
             g["lr"] = lr * lr_factor(step, cfg.steps, cfg.warmup)
         idx = batch_indices(len(data), cfg.batch_size, step, cfg.seed)
         ids, vals, lse = data.topk_ids[idx], data.topk_logits[idx], data.lse[idx]
+        offsets = feature_offsets(len(idx), cfg.max_offset, step, cfg.seed)
         opt.zero_grad(set_to_none=True)
         for l, head in heads.items():  # one layer's graph at a time keeps memory flat
-            z = readout.logits(head.transform(data.hidden[l][idx]), fast=True)
+            z = readout.logits(head_input(head, data, l, idx, offsets), fast=True)
             loss = loss_fn(z, ids, vals, lse)
             loss.backward()
             history[str(l)].append(round(loss.item(), 5))
@@ -250,16 +262,19 @@ def train_heads(
     lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     lm.requires_grad_(False)
     identity = identity_from_hf(lm)
-    bad = [l for l in cfg.layers if not 0 < l < identity.num_layers]
+    lowest = min_exit_layer(cfg.kind)
+    bad = [l for l in cfg.layers if not lowest <= l < identity.num_layers]
     if bad:
         raise ValueError(
-            f"exit layers must be in [1, {identity.num_layers - 1}] for this "
+            f"exit layers must be in [{lowest}, {identity.num_layers - 1}] for this "
             f"{identity.num_layers}-layer model, got {bad}"
         )
+    # feature heads read the final layer's output too: the deepest stream collected
+    streams = cfg.layers + ((identity.num_layers,) if cfg.kind == "feature" else ())
 
     spec = CollectSpec(
         identity.fingerprint,
-        cfg.layers,
+        streams,
         cfg.sources,
         cfg.max_prompts,
         cfg.max_prompt_tokens,
@@ -284,7 +299,10 @@ def train_heads(
     (work / "run.json").write_text(run_key)
 
     torch.manual_seed(cfg.seed)
-    heads = {l: make_head(cfg.kind, identity.hidden_size, cfg.bottleneck) for l in cfg.layers}
+    heads = {
+        l: make_head(cfg.kind, identity.hidden_size, cfg.bottleneck, cfg.max_offset)
+        for l in cfg.layers
+    }
     readout = Readout(lm)
     fit = fit_transforms(heads, readout, data["train"], cfg, work / "state.pt", progress)
     for h in heads.values():
