@@ -86,7 +86,10 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   ``aux_hidden_states`` (one ``[tokens, d]`` per        (proposer._capture)
   capture layer, sorted; layer l = stream after
   l layers), ``common_attn_metadata
-  .query_start_loc_cpu``
+  .query_start_loc_cpu``, ``sample_hidden_states``      feature heads: the final layer's output
+  (the model's normed output at the logits rows:        at the position that sampled each
+  per request ``num_draft_tokens + 1`` rows in batch    request's last token
+  order, or one when nothing was verified)              (engine/feature.py)
 ``runner.attn_groups[g]``: ``AttentionGroup(            the drafter's own builders for every
   backend, layer_names, kv_cache_spec,                  KV-cache group (engine/kv_groups.py)
   kv_cache_group_id)``, ``.kernel_block_size``,

@@ -76,6 +76,7 @@ SUPPORTED_ARCHITECTURES = (
 HEAD_KINDS = {
     "adadecode": "AdaDecode heads (intermediate LM heads)",
     "cascade": "cascade heads (adapters with confidence estimators)",
+    "feature": "feature heads (exits that also read the final layer's output)",
 }
 
 

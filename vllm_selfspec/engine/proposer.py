@@ -39,11 +39,14 @@ from ..policies import DraftDecision, Feedback
 from ..vocab import load_vocab
 from .adadecode import DeferredEngine
 from .executor import PlanExecutor
+from .feature import FeatureDrafter
 from .knapsack_forward import KnapsackForward, latency_model
 from .kv_groups import KVGroups
 from .shadow import ShadowProjector
 from .stats import EngineStats, layer_computations
 
+#: drafters of methods that do not draft with a layer plan (``Policy.drafter``), by name
+DRAFTERS = {"feature": FeatureDrafter}
 #: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
 UNVERIFIED_REQUESTS_KEPT = 4096
 logger = logging.getLogger(compat.LOGGER_NAME)
@@ -172,6 +175,8 @@ class SelfSpecProposer:
         self.executor: PlanExecutor | None = None
         #: AdaDecode's draft rounds and finishing pass (set in load_model)
         self.deferred: DeferredEngine | None = None
+        #: the drafter of a method that drafts without a layer plan (``Policy.drafter``)
+        self.drafter: Any = None
         self._kv: KVGroups | None = None  # built on first use (after vLLM's KV-cache init)
         self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
         #: q of every request whose drafts await verification (None: greedy drafts); kept per
@@ -208,6 +213,8 @@ class SelfSpecProposer:
             self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
         if self.policy.deferred:
             self.deferred = DeferredEngine(self)
+        if self.policy.drafter is not None:
+            self.drafter = DRAFTERS[self.policy.drafter](self)
 
     def _identity(self):
         """The target's identity (heads.identity) on TP rank 0 (None elsewhere): rank 0 holds
@@ -299,8 +306,11 @@ class SelfSpecProposer:
         aux_hidden_states,
         spec_decode_metadata,
         common_attn_metadata,
+        sample_hidden_states=None,
     ) -> list[list[int]]:
         ib = runner.input_batch
+        if self.drafter is not None:  # what it drafts from besides the tokens (feature heads)
+            self.drafter.step_inputs(sampled_token_ids, sample_hidden_states, spec_decode_metadata)
         req_ids = ib.req_ids
         num_tokens = ib.num_tokens_no_spec
         scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -604,8 +614,9 @@ class SelfSpecProposer:
             probs = torch.zeros(
                 len(active), self.k, self.info.vocab_size, dtype=torch.float32, device=runner.device
             )
-        if self.deferred is not None:
-            self.deferred.draft(runner, active, sampling_metadata, probs, drafts)
+        engine = self.deferred or self.drafter
+        if engine is not None:
+            engine.draft(runner, active, sampling_metadata, probs, drafts)
         else:
             self._draft_plan(runner, active, sampling_metadata, probs, drafts)
         for j, (i, _, _) in enumerate(active):
@@ -630,7 +641,6 @@ class SelfSpecProposer:
         tables = self.kv_groups().tables(ib)
         temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
         plans = [d.plan for _, d, _ in items]
-        vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
         cascade = items[0][1].cascade  # Cascade's decisions share it (one static plan)
         walks = (
             CascadeWalks(self.policy, [self.states[ib.req_ids[r]] for r in rows])
@@ -678,21 +688,7 @@ class SelfSpecProposer:
                 if logits is None:  # no row found a confident exit: every round ends
                     break
             logits = logits.float()
-            nxt = logits.argmax(dim=-1)
-            if temps is not None:
-                t = temps[rows_t[J].to(temps.device)].to(logits.device)
-                sampled_rows = t > 0
-                if bool(sampled_rows.any()):
-                    q = torch.softmax(logits / torch.where(sampled_rows, t, 1.0)[:, None], -1)
-                    draw = torch.multinomial(q.cpu(), 1, generator=self._generator).squeeze(1)
-                    nxt = torch.where(sampled_rows, draw.to(nxt.device), nxt)
-                    if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
-                        q = q.new_zeros(len(alive), self.info.vocab_size).index_copy_(
-                            1, vocab_ids, q
-                        )
-                    probs[J.to(probs.device), step] = q.to(probs.dtype)
-            if vocab_ids is not None:
-                nxt = vocab_ids[nxt]
+            nxt = self.pick(logits, rows_t[J], temps, probs, J, step)
             keep = None
             if need_conf:
                 conf = torch.softmax(logits, -1).amax(-1).tolist()
@@ -719,6 +715,25 @@ class SelfSpecProposer:
                 self.stats.plans[plan] += 1
                 self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
                 self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
+
+    def pick(self, logits, batch_rows, temps, probs, J, step: int) -> torch.Tensor:
+        """Draft tokens from one draft step's ``logits`` [n, draft vocabulary] (float32) of the
+        batch rows ``batch_rows``: the argmax for greedy rows; for sampled ones a draw from
+        ``softmax(logits / T)``, whose distribution (over the full vocabulary) goes to
+        ``probs[J, step]`` for the rejection sampler. Token ids, on the logits' device."""
+        vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
+        nxt = logits.argmax(dim=-1)
+        if temps is not None:
+            t = temps[batch_rows.to(temps.device)].to(logits.device)
+            sampled_rows = t > 0
+            if bool(sampled_rows.any()):
+                q = torch.softmax(logits / torch.where(sampled_rows, t, 1.0)[:, None], -1)
+                draw = torch.multinomial(q.cpu(), 1, generator=self._generator).squeeze(1)
+                nxt = torch.where(sampled_rows, draw.to(nxt.device), nxt)
+                if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
+                    q = q.new_zeros(len(logits), self.info.vocab_size).index_copy_(1, vocab_ids, q)
+                probs[J.to(probs.device), step] = q.to(probs.dtype)
+        return nxt if vocab_ids is None else vocab_ids[nxt]
 
     def _run_mixed(self, plans, tables, tokens, pos, step: int):
         """``PlanExecutor.run_mixed`` with attention metadata per row subset (built once each)."""

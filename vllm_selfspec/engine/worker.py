@@ -59,6 +59,7 @@ class SelfSpecRunnerMixin:
             aux_hidden_states,
             spec_decode_metadata,
             common_attn_metadata,
+            sample_hidden_states,
         )
         return drafts
 

@@ -6,6 +6,7 @@ from .adadecode import AdaDecodePolicy
 from .base import DraftDecision, Feedback, ModelInfo, Policy
 from .cascade import CascadePolicy
 from .del_ import DELPolicy
+from .feature import FeaturePolicy
 from .knapspec import KnapSpecPolicy
 from .layerskip import LayerSkipPolicy
 
@@ -16,6 +17,7 @@ POLICIES: dict[str, type[Policy]] = {
     KnapSpecPolicy.name: KnapSpecPolicy,
     CascadePolicy.name: CascadePolicy,
     AdaDecodePolicy.name: AdaDecodePolicy,
+    FeaturePolicy.name: FeaturePolicy,
 }
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Policy",
     "CascadePolicy",
     "DELPolicy",
+    "FeaturePolicy",
     "KnapSpecPolicy",
     "LayerSkipPolicy",
 ]

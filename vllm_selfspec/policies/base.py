@@ -135,6 +135,9 @@ class Policy(ABC):
     #: AdaDecode: the engine drafts with the deferred-layer schedule (vllm_selfspec/deferred.py)
     #: and the next target forward resumes the round's tokens at their depth
     deferred: bool = False
+    #: the engine's drafter for methods that do not draft with a layer plan, by name
+    #: (``engine.proposer.DRAFTERS``; None: the plan executor, or ``deferred``)
+    drafter: str | None = None
 
     @classmethod
     def validate(

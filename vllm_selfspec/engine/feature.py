@@ -1,0 +1,97 @@
+"""Draft rounds of feature heads (policies/feature.py): the head on the token's embedding and the
+target's final-layer output at the position that sampled it. No decoder layer runs, so a draft
+step builds no attention metadata and writes no KV: it is one adapter and one LM-head pass over
+the drafting rows.
+
+Where the final-layer output comes from: vLLM hands the proposer ``sample_hidden_states``, the
+model's normed output at its logits rows, in batch order. A step that verified drafts has
+``num_draft_tokens + 1`` rows per request; the request's last sampled token (its accepted drafts,
+then the bonus token) came from its row ``len(sampled) - 1``, the output one position before that
+token: offset 1, what the head's first draft reads. A step that verified nothing has one row
+per request (vLLM's Medusa proposer picks the same rows).
+
+Worked example: request A verified 3 drafts and accepted 1 (sampled ``[d1, b]``), request B
+verified none (sampled ``[x]``), request C is a prefill chunk that sampled nothing::
+
+    logits rows:  A0 A1 A2 A3 B0 C0
+    >>> feature_rows([[11, 12], [13], []], [3, 0, 0])
+    [1, 4, -1]
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..policies.feature import EXIT
+
+
+def feature_rows(
+    sampled_token_ids: list[list[int]], num_draft_tokens: list[int] | None
+) -> list[int]:
+    """Per batch row, the logits row whose output sampled the row's last token (-1: the row
+    sampled nothing). ``num_draft_tokens``: the drafts each row verified (None: none did)."""
+    out, start = [], 0
+    for i, sampled in enumerate(sampled_token_ids):
+        out.append(start + len(sampled) - 1 if sampled else -1)
+        start += 1 + (num_draft_tokens[i] if num_draft_tokens is not None else 0)
+    return out
+
+
+class FeatureDrafter:
+    """The proposer's drafter for ``Policy.drafter == "feature"``."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+        self.head = proposer.executor.heads[f"heads@{EXIT}"]
+        #: the head is trained for offsets 1..max_offset; later drafts of a round reuse the last
+        self.max_offset = self.head.max_offset
+        self._inputs: tuple | None = None
+
+    def step_inputs(self, sampled_token_ids, sample_hidden_states, spec_decode_metadata) -> None:
+        """This step's sampled tokens, the model's output at its logits rows and what was
+        verified (kept for ``draft``)."""
+        self._inputs = (sampled_token_ids, sample_hidden_states, spec_decode_metadata)
+
+    @torch.inference_mode()
+    def draft(self, runner, active, sampling_metadata, probs, drafts: list[list[int]]) -> None:
+        """One draft round for the ``active`` requests ((batch row, decision, max drafts)):
+        fills ``drafts`` and, for sampled requests, ``probs`` (the q each draft was drawn from)."""
+        p = self.proposer
+        sampled, hidden, meta = self._inputs
+        if hidden is None:
+            raise RuntimeError("feature heads need the model's output at its logits rows")
+        ib = runner.input_batch
+        rows = [i for i, _, _ in active]
+        gammas = [g for _, _, g in active]
+        where = feature_rows(sampled, None if meta is None else list(meta.num_draft_tokens))
+        dev = hidden.device
+        feature = hidden.index_select(0, torch.tensor([where[i] for i in rows], device=dev))
+        n = ib.num_tokens_no_spec[rows].astype(np.int64)
+        tok = torch.from_numpy(ib.token_ids_cpu[rows, n - 1].astype(np.int64))
+        temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        layout = p.executor.layout
+        alive = list(range(len(rows)))
+        for step in range(max(gammas)):
+            alive = [j for j in alive if gammas[j] > step]
+            if not alive:
+                break
+            t0 = time.perf_counter()
+            J = torch.tensor(alive, dtype=torch.long)
+            offset = torch.full((len(alive),), min(step + 1, self.max_offset), device=dev)
+            x = layout.embed(tok[J].to(dev))
+            h = self.head.transform(x, feature[J.to(dev)], offset)
+            logits = p.executor.project(layout.norm(h)).float()
+            nxt = p.pick(logits, rows_t[J], temps, probs, J, step)
+            p.costs.add_draft(0.0, len(alive), time.perf_counter() - t0)
+            p.stats.draft_forwards += 1
+            for a, token in zip(alive, nxt.tolist()):
+                drafts[rows[a]].append(token)
+            tok[J] = nxt.cpu()
+        for i in rows:
+            d = len(drafts[i])
+            p.stats.draft_length_hist[d] += 1
+            p.stats.draft_rounds += bool(d)
