@@ -180,6 +180,16 @@ def test_adadecode_sampling_at_temperature_0_6(tiny_model, tmp_path):
     assert stats["accepted_tokens"] < stats["drafted_tokens"]
 
 
+def test_feature_sampling_at_temperature_0_6(tiny_model, tmp_path):
+    """Feature heads' drafts are drawn from the head's softmax(logits / T) over the embedding and
+    the final layer's output, and that q goes to the rejection sampler."""
+    path = save_built_heads(tiny_model, tmp_path / "heads", "feature", (0,))
+    spec = {"method": "feature", "heads": path, "num_speculative_tokens": 3}
+    stats = _sampled_like_vanilla(tiny_model, spec, "feature")
+    assert stats["drafted_tokens"] > 100, "the feature head rarely drafted: the test would be weak"
+    assert stats["accepted_tokens"] < stats["drafted_tokens"]
+
+
 #: context lookup on the tiny model (min_ngram 1: one repeated token is a match), sampled at
 #: T = 1.5 where the target's p(x) of a lookup draft is far from 1. Half the requests have a
 #: prompt holding every token (a lookup draft every step), half the usual short one (mostly
