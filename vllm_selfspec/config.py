@@ -149,8 +149,11 @@ def is_selfspec(spec: Any) -> bool:
 def auto_method(model_path: str) -> tuple[str, dict[str, Any]]:
     """What ``method: "auto"`` runs on this model besides context lookup: the self-drafter
     measured strongest on the embedded model among those this model has what they need for
-    (docs/benchmarks.md): Cascade with its trained adapters; else DEL through trained AdaDecode
-    heads; else, training-free, LayerSkip exiting two layers before the top (LS(E-γ)'s best)."""
+    (docs/benchmarks.md): feature heads (no decoder layer per draft); else Cascade with its
+    trained adapters; else DEL through trained AdaDecode heads; else, training-free, LayerSkip
+    exiting two layers before the top (LS(E-γ)'s best)."""
+    if cached_heads(model_path, "feature") is not None:
+        return "feature", {}
     if cached_heads(model_path, "cascade") is not None:
         return "cascade", {}
     if cached_heads(model_path, "adadecode") is not None:
