@@ -23,8 +23,14 @@ per step ``--seqs`` sequences, ``--per-seq`` loss positions from each. Kinds:
   keys and values are the ones already in vLLM's KV cache); its q/o projections, post-attention
   norm and MLP start as that layer's and are trained. It costs one decoder layer per draft token
   and sees every earlier position through attention;
+* ``deep``: a feature head (``heads.FeatureHead``): the stream after ``--layer`` layers and the
+  final layer's output ``--offsets`` positions back (each row trains at one of them; scored at
+  each); at ``--layer 0`` a draft runs no decoder layer (docs/heads.md, "Feature heads");
 * ``raw`` (the LM head on the stream after ``--layer`` layers) and ``raw1`` (the ``layer`` head
   untrained: must equal ``raw`` at ``--layer`` + 1, a check of its forward).
+
+``chain``: a ``deep`` head at layer 0 saved by ``train --save``, drafting chains on the held-out
+sets as the engine drafts them (draft j reads the embedding of draft j - 1).
 
 Evaluation: top-1 agreement with the final layer's token on the held-out sets' generated
 positions, exact float32 read-out.
@@ -129,33 +135,13 @@ def data(args) -> None:
 
 
 def deep_head(d: int, b: int, max_offset: int):
-    """An untrained ``DeepHead`` (below): hidden size ``d``, bottleneck ``b``, offsets up to
-    ``max_offset``."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    """An untrained ``deep`` head: the package's feature head (``heads.FeatureHead``: the stream
+    after layer L at position t and the final layer's normed output at position t - o, which a
+    verification has already computed; o = 1 for the first draft token after it, o = j for the
+    j-th)."""
+    from vllm_selfspec.heads import make_head
 
-    class DeepHead(nn.Module):
-        """EAGLE's input at an exit: the stream after layer L at position t and the final layer's
-        normed output at position t - o, which a verification has already computed (o = 1 for
-        the first draft token after it, o = j for the j-th). ``h + Up(SiLU(Gate(u)) * Down(u))``
-        over ``u = [rmsnorm(h); f] + offset(o)``; Up and the offset table start at zero."""
-
-        def __init__(self, d: int, b: int, max_offset: int) -> None:
-            super().__init__()
-            self.gate = nn.Linear(2 * d, b, bias=False)
-            self.down = nn.Linear(2 * d, b, bias=False)
-            self.up = nn.Linear(b, d, bias=False)
-            self.offset = nn.Embedding(max_offset + 1, 2 * d)
-            nn.init.zeros_(self.up.weight)
-            nn.init.zeros_(self.offset.weight)
-
-        def forward(self, h, f, o):
-            u = torch.cat((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), f), -1)
-            u = u + self.offset(o)
-            return h + self.up(F.silu(self.gate(u)) * self.down(u))
-
-    return DeepHead(d, b, max_offset)
+    return make_head("feature", d, b, max_offset)
 
 
 def train(args) -> None:
@@ -238,7 +224,7 @@ def train(args) -> None:
         if args.kind == "deep":
             back = pos - off
             f = seq["hidden"][30][back.clamp(min=0)] * (back >= 0)[:, None]
-            return head(h[pos], f, off.expand_as(pos))
+            return head.transform(h[pos], f, off.expand_as(pos))
         return head.transform(h[pos]) if args.kind == "mlp" else head(h)[pos]
 
     @torch.no_grad()
@@ -348,7 +334,9 @@ def chain(args) -> None:
                 tok, alive, conf = ids[pos], torch.ones(len(pos), dtype=torch.bool), []
                 for j in range(1, K + 1):
                     ok = pos + j < len(ids)
-                    z = lm_head(norm(head(embed(tok), f, torch.tensor(j).expand(len(pos)))))
+                    z = lm_head(
+                        norm(head.transform(embed(tok), f, torch.tensor(j).expand(len(pos))))
+                    )
                     prob, tok = torch.softmax(z, -1).max(-1)
                     truth = torch.where(ok, ids[(pos + j).clamp(max=len(ids) - 1)], -1)
                     alive = alive & ok & (tok == truth)
@@ -377,10 +365,10 @@ def chain(args) -> None:
         x, f = embed(torch.tensor([42])), torch.randn(1, model.config.hidden_size)
         one = torch.tensor([1])
         for _ in range(20):
-            lm_head(norm(head(x, f, one)))
+            lm_head(norm(head.transform(x, f, one)))
         t0 = time.perf_counter()
         for _ in range(200):
-            lm_head(norm(head(x, f, one))).argmax(-1)
+            lm_head(norm(head.transform(x, f, one))).argmax(-1)
         res["seconds_per_draft_token"] = round((time.perf_counter() - t0) / 200, 5)
     print(json.dumps(res, indent=1))
     if args.out:
