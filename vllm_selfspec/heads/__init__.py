@@ -1,5 +1,6 @@
-"""Trained exit heads for self-speculative drafting: AdaDecode lightweight LM heads and
-CascadeExit adapters + confidence estimators (docs/heads.md).
+"""Trained exit heads for self-speculative drafting: AdaDecode lightweight LM heads,
+CascadeExit adapters + confidence estimators, and feature heads, which also read the final
+layer's output at the verified position (docs/heads.md).
 
 Engine use::
 
@@ -9,6 +10,7 @@ Engine use::
     heads = load_heads(path, expect=expect)      # HeadsMismatchError for another model
     logits = lm_head(final_norm(heads[layer].transform(x)))   # x: pre-norm residual stream
     # cascade: heads[layer].confidence(x) >= heads[layer].threshold -> exit here
+    # feature: heads[layer].transform(x, f, offset), f = the final layer's output offset back
 """
 
 from .embedded import EMBEDDED_LAYERS, embedded_heads_dir
