@@ -67,7 +67,13 @@ def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
     # the self-drafter auto chose for this model: LayerSkip unless trained heads are cached
     assert stats["policy"]["method"] == auto_method(model_path)[0]
     src = stats["token_sources"]
-    assert stats["lookup_drafted_tokens"] > 0 and src["lookup"] > 0, src
+    assert stats["lookup_drafted_tokens"] > 0, src
+    if stats["policy"]["method"] == "feature":
+        # feature heads (cached here) draft with no decoder layer: they compete with lookup for
+        # each step, and either may take the accepted tokens
+        assert src["lookup"] + src["self_draft"] > 0, src
+    else:  # a self-drafter that runs decoder layers rarely pays on a CPU: lookup does the work
+        assert src["lookup"] > 0, src
     assert src["lookup"] + src["self_draft"] + src["target"] == stats["generated_tokens"]
     assert stats["costs"]["target_forward_s"] is not None
 

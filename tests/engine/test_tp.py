@@ -49,6 +49,9 @@ SPECS = {
     # LM head is nearly flat (top-1 probability < 2%), so γ sits below 1/512: every head is
     # confident and every round predicts early (the TP mechanics are what is tested here)
     "adadecode": {"method": "adadecode", "num_speculative_tokens": 3, "threshold": 0.001},
+    # + "heads": built by the feature_heads fixture (adapter zero: the raw LM head on the
+    # embedding, which the scaled-up embeddings make agree with the model often)
+    "feature": {"method": "feature", "num_speculative_tokens": 3, "draft_vocab_size": None},
 }
 #: besides drafts made and accepted, the counter that shows the method did its own work
 EXERCISED = {
@@ -57,6 +60,7 @@ EXERCISED = {
     "knapspec": "optimisations",
     "cascade": "drafted_tokens",
     "adadecode": "drafted_tokens",
+    "feature": "draft_forwards",
 }
 PROMPTS = [
     {"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]} for i in range(6)
@@ -87,6 +91,13 @@ def cascade_heads(tiny_model, tmp_path_factory) -> str:
 def adadecode_heads(tiny_model, tmp_path_factory) -> str:
     return save_built_heads(
         tiny_model, tmp_path_factory.mktemp("tp-adadecode") / "heads", "adadecode", (1, 2)
+    )
+
+
+@pytest.fixture(scope="module")
+def feature_heads(tiny_model, tmp_path_factory) -> str:
+    return save_built_heads(
+        tiny_model, tmp_path_factory.mktemp("tp-feature") / "heads", "feature", (0,)
     )
 
 
@@ -126,7 +137,7 @@ def test_tp2_auto_under_the_goodput_controller(tiny_model, tp_env, vanilla):
 def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
     assert method in SPECS, f"add a TP test config for the new method {method!r}"
     spec = dict(SPECS[method])
-    if method in ("cascade", "adadecode"):
+    if method in ("cascade", "adadecode", "feature"):
         spec["heads"] = request.getfixturevalue(f"{method}_heads")
     with engine(tiny_model, speculative_config=spec, **KW) as llm:
         out = _generate(llm)
