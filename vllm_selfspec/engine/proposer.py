@@ -6,7 +6,8 @@ vLLM's rejection sampler accepted a prefix):
 1. feedback: per request, drafted/accepted counts and, if the policy asked, the residual stream of
    the verified tokens after chosen layers (bounded: ``capture_tokens`` rows per request);
 2. policy: per request, the next ``DraftDecision`` (plan, draft length, confidence floor);
-3. draft: requests are grouped by plan; each group drafts one token per request per step through
+3. draft: (methods with a drafter of their own, ``DRAFTERS`` or AdaDecode's deferred rounds, draft
+   there) requests are grouped by plan; each group drafts one token per request per step through
    the plan's sub-layers over the **target's own paged KV cache** (draft KV is written at
    positions the next verification rewrites in every layer, so it never leaks into the output);
    greedy requests draft the argmax, sampled ones draw from ``softmax(logits / T)`` and hand that
