@@ -9,11 +9,12 @@ groups of ``--group-size``, each group live at once beside its own vanilla engin
 repeats are *interleaved*: a repeat runs the prompts in slices of twice the batch size, each slice
 by vanilla, then by each method of the group (with a pause between runs so an idle engine's
 polling has stopped). Before its repeats, each engine runs the whole workload once untimed (the
-warm-up), and each timed run starts from an empty prefix cache. A method's speedup is the median
-over repeats of its tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed
-drifts within seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves
-both alike. Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each
-worker's log goes to ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
+warm-up; the engines of a group load together but warm up one at a time), and each timed run
+starts from an empty prefix cache. A method's speedup is the median over repeats of its
+tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed drifts within
+seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves both alike.
+Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes
+to ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
 
 from __future__ import annotations
@@ -187,9 +188,9 @@ def _spec_counters(llm) -> dict[str, float]:
 
 
 def _worker(spec_path: str) -> int:
-    """Runs one method: load, warm up, then one timed generate() call per "run" line read from
-    the parent's command pipe (answering each with its wall time and tokens); on "stop", writes
-    the result JSON."""
+    """Runs one method: load, warm up on the parent's "warm", then one timed generate() call per
+    "run" line read from the parent's command pipe (answering each with its wall time and
+    tokens); on "stop", writes the result JSON."""
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
     import torch
     import vllm
@@ -203,17 +204,23 @@ def _worker(spec_path: str) -> int:
         model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg, **ENGINE_ARGS
     )
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
-    # warm-up: the whole workload once, untimed, slice by slice as the timed runs go, so one-time
-    # costs (the first forward of each token count, a cost model's first samples) stay out of
-    # the timed runs, as they stay out of a server that has run for a minute
-    for start, stop in chunks(len(prompts), spec["batch_size"]):
-        llm.generate(prompts[start:stop], params, use_tqdm=False)
-    if selfspec:
-        get_stats(llm, reset=True)
-    before = _spec_counters(llm)
     token_ids: list = [None] * len(prompts)
     deterministic = True
     with os.fdopen(spec["cmd_fd"], "r") as cmds, os.fdopen(spec["res_fd"], "w") as res:
+        res.write("loaded\n")
+        res.flush()
+        if cmds.readline().strip() != "warm":
+            return 1
+        # warm-up: the whole workload once, untimed, slice by slice as the timed runs go, so
+        # one-time costs (the first forward of each token count, a cost model's first samples)
+        # stay out of the timed runs, as they stay out of a server that has run for a minute.
+        # The parent warms its engines one at a time: a cost model that learnt its prices while
+        # other engines competed for the cores would carry them into the timed runs
+        for start, stop in chunks(len(prompts), spec["batch_size"]):
+            llm.generate(prompts[start:stop], params, use_tqdm=False)
+        if selfspec:
+            get_stats(llm, reset=True)
+        before = _spec_counters(llm)
         res.write("ready\n")
         res.flush()
         for line in cmds:  # "run START STOP FRESH": prompts[START:STOP]; FRESH: a repeat begins
@@ -304,6 +311,13 @@ class _Engine:
         return line.strip()
 
     def ready(self) -> None:
+        """Waits until the worker has loaded its engine."""
+        self._answer()
+
+    def warm_up(self) -> None:
+        """The worker's untimed run of the whole workload; returns when it is done."""
+        self._cmds.write("warm\n")
+        self._cmds.flush()
         self._answer()
 
     def run(self, start: int, stop: int, fresh: bool) -> dict:
@@ -373,8 +387,10 @@ def run_interleaved(
                     f"vanilla-g{g + 1}.log" if n == "vanilla" and len(groups) > 1 else f"{n}.log"
                 )
                 engines[n] = _Engine(n, {**base, "config": configs[n]}, log, tmp)
-            for e in engines.values():
+            for e in engines.values():  # they load together,
                 e.ready()
+            for e in engines.values():  # and warm up alone (``_worker``)
+                e.warm_up()
             runs: dict[str, list[dict]] = {n: [] for n in names}
             for _ in range(repeats):
                 total = {n: {"wall_s": 0.0, "tokens": 0} for n in names}

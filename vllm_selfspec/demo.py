@@ -1,8 +1,10 @@
 """``vllm-selfspec demo``: vanilla vLLM and a self-spec method on a few prompts, side by side.
 
 Each engine runs in its own process (the bench workers, both live at once, the timed runs back to
-back), with the same settings and greedy decoding; prints both texts, tokens/s, acceptance and
-whether the tokens are identical.
+back), with the same settings and greedy decoding, one request at a time: the latency a single
+user sees, where speculative decoding is for (at larger batch sizes the goodput controller drafts
+less, down to nothing: docs/benchmarks.md). Prints both texts, tokens/s, acceptance and whether
+the tokens are identical.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def run_demo(
         "model": model,
         "prompts": prompts,
         "max_tokens": max_tokens,
-        "batch_size": len(prompts),
+        "batch_size": 1,
     }
     if cfg.get("method") == "auto":
         from .config import auto_note
@@ -64,6 +66,6 @@ def run_demo(
     print(
         f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
         f"({ratios['selfspec'][0]:.2f}x), acceptance {acc:.0%}, "
-        f"identical outputs {same}/{len(prompts)}"
+        f"identical outputs {same}/{len(prompts)} (one request at a time)"
     )
     return 0 if same == len(prompts) else 1

@@ -132,6 +132,19 @@ class StepCostModel:
     VERIFY_PRIOR_WEIGHT = 0.25
     #: how fast ``drift`` follows plain steps (the share of the old value kept per plain step)
     DRIFT_DECAY = 0.7
+    #: a drafting step's seconds over the plain step are also kept per shape (requests, draft
+    #: tokens), decayed by this per sample of the shape: a forward's time is not a line in its
+    #: tokens. On this project's CPU at batch 1 a 2-token forward took 10 ms *more* than a plain
+    #: one, and 3- to 6-token forwards 5-7 ms *less* (the matrix kernels change with the row
+    #: count; a GPU's CUDA-graph sizes make steps too), so a line through them priced every
+    #: draft length wrongly (docs/benchmarks.md, "Step costs by shape")
+    SHAPE_DECAY = 0.9
+    #: a shape's mean is shrunk towards the line by this many samples' weight (a shape seen once
+    #: or twice is mostly the line)
+    SHAPE_PRIOR_WEIGHT = 2.0
+    #: the shapes kept (the least recently measured one goes first); under tensor parallelism
+    #: rank 0 sends them to the others each step
+    MAX_SHAPES = 256
 
     #: a draft step runs part of the target's layers, and a head no larger than its LM head, on
     #: its rows: one measured at more than this many times the target forward of as many tokens
@@ -151,6 +164,8 @@ class StepCostModel:
         #: per request count, the plain steps' seconds, decayed fast (``DRIFT_DECAY``): what a
         #: drafting step of that size is measured against
         self._recent: dict[int, float] = {}
+        #: (requests, draft tokens) -> [decayed sum of excess seconds, decayed count]
+        self._shapes: dict[tuple[int, int], list[float]] = {}
         self.draft = OnlineFit(3)
         self._frozen: tuple | None = None
         self._line: tuple[float, float, float, float] | None = None  # solved once per sample
@@ -190,7 +205,14 @@ class StepCostModel:
                 self._recent[requests] = seconds
         elif recent is not None:  # over plain steps of its size, at the speed of the moment
             self.verify.add((drafts, 1.0), seconds - recent)
+            self._add_shape((requests, drafts), seconds - recent)
         self._line = None
+
+    def _add_shape(self, shape: tuple[int, int], excess: float) -> None:
+        total, count = self._shapes.pop(shape, (0.0, 0.0))  # re-inserted: the most recent
+        self._shapes[shape] = [self.SHAPE_DECAY * total + excess, self.SHAPE_DECAY * count + 1.0]
+        if len(self._shapes) > self.MAX_SHAPES:
+            del self._shapes[next(iter(self._shapes))]
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
         if not self.skip_first:
@@ -211,7 +233,8 @@ class StepCostModel:
 
     # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
     def state(self) -> tuple:
-        return (self._target_line(), self.draft.coefficients())
+        shapes = {k: (v[0], v[1]) for k, v in self._shapes.items()}
+        return (self._target_line(), self.draft.coefficients(), shapes)
 
     def freeze(self, state: tuple | None) -> None:
         self._frozen = state
@@ -274,7 +297,31 @@ class StepCostModel:
         line = self.target_line()
         if line is None:
             return None
-        return line[0] + line[1] * requests + line[2] * drafts + (line[3] if drafts > 0 else 0.0)
+        return line[0] + line[1] * requests + self.verify_excess(requests, drafts)
+
+    def shapes(self) -> list[list[float]]:
+        """The shapes measured: [requests, draft tokens, decayed samples, priced excess seconds]
+        each, sorted (for the engine's stats)."""
+        return [
+            [r, d, round(seen[1], 2), self.verify_excess(r, d)]
+            for (r, d), seen in sorted(self._shapes.items())
+        ]
+
+    def verify_excess(self, requests: float, drafts: float) -> float:
+        """Seconds a step of ``requests`` requests pays for verifying ``drafts`` draft tokens
+        over a plain step: the line's ``v_tok·D + v_ver``, or, for a shape measured, its decayed
+        mean shrunk towards the line (``SHAPE_PRIOR_WEIGHT``), never below 0 (a shape measured
+        faster than a plain step is priced as free, not as a gain); 0 for no drafts."""
+        line = self.target_line()
+        if drafts <= 0 or line is None:
+            return 0.0
+        excess = line[2] * drafts + line[3]
+        shapes = self._frozen[2] if self._frozen is not None else self._shapes
+        seen = shapes.get((int(requests), int(drafts)))
+        if seen is None:
+            return excess
+        w = self.SHAPE_PRIOR_WEIGHT
+        return max(0.0, (seen[0] + w * excess) / (seen[1] + w))
 
     def token_seconds(self) -> float | None:
         """What one more verified draft token adds to a target forward."""
@@ -576,8 +623,17 @@ class GoodputController:
         """The self-drafting steps' achieved/predicted extra tokens."""
         return self.nets["paid"].token_calibration()
 
-    #: the most tokens a lookup-draft probe verifies (``_probe``)
+    #: the most tokens a probe verifies (``_probe``)
     FREE_PROBE_TOKENS = 4
+    #: a self-draft probe drafts as many tokens (up to ``FREE_PROBE_TOKENS``) as its draft steps
+    #: fit in this share of a plain step, at least one: a probe of several tokens is what tells a
+    #: verified token's cost from a verifying step's fixed cost (``_probe``)
+    PAID_PROBE_SHARE = 0.25
+    #: self-draft probes that fail come ever more rarely (``max_probe_every``), but never rarer
+    #: than it takes for them to cost this share of the time: a cheap drafter near break-even
+    #: (feature heads at 15% acceptance) is probed often enough for its estimate to recover
+    #: from a few unlucky probes, at a cost no benchmark can tell from noise
+    PROBE_TIME_SHARE = 0.005
     #: steps around a self-draft (after one, before a probe) in which feedback for self-drafting
     #: (DEL's shadow tokens) is worth its cost
     FEEDBACK_STEPS = 8
@@ -655,8 +711,11 @@ class GoodputController:
             ),
             default=0,
         )
+        # the verification of m = 1.. drafts in this step, by the shapes measured or the line
+        most = sum(c.max_tokens for c in scaled)
+        excess = [self.costs.verify_excess(n, m) for m in range(1, most + 1)]
         for steps in range(depth + 1):
-            choice = self._best_for_depth(scaled, steps, base, plain, v1, floor, verify)
+            choice = self._best_for_depth(scaled, steps, base, plain, v1, floor, verify, excess)
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
@@ -672,7 +731,7 @@ class GoodputController:
                 self._could_pay(cands, floor, v1, verify)
                 or self._probe_interval >= self.max_probe_every
             ):
-                best = self._probe(cands, best)
+                best = self._probe(cands, best, plain=plain)
             else:
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
                 self._since_skipped_probe = 0
@@ -732,19 +791,22 @@ class GoodputController:
 
     @staticmethod
     def _best_for_depth(
-        cands, steps, base, plain, v1, floor: float = 0.0, verify: float = 0.0
+        cands, steps, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
     ) -> Choice:
-        """With ``steps`` draft steps: the best set of draft tokens. Each token costs one verified
-        token plus its row in a draft step (unless free); ranked by expected tokens per second of
-        cost, the best set is a prefix of that ranking (a request's tokens come in order, since
-        its P is non-increasing and its cost per token constant), the one with the highest
-        (tokens / seconds) of the whole step, which pays ``verify`` once if it verifies any
-        draft. A token expected to yield no more than ``floor`` tokens per second of its own cost
-        is never drafted, however well the others pay."""
+        """With ``steps`` draft steps: the best set of draft tokens. Each token costs its row in
+        a draft step (unless free) and its verification; ranked by expected tokens per second of
+        its cost at the line's price ``v1`` a token, the best set is a prefix of that ranking (a
+        request's tokens come in order, since its P is non-increasing and its cost per token
+        constant), the one with the highest (tokens / seconds) of the whole step. The step pays
+        ``excess[m - 1]`` to verify m drafts (``StepCostModel.verify_excess``; default the
+        line's ``v1·m + verify``). A prefix whose last token is expected to yield no more than
+        ``floor`` tokens per second of its own cost (its row, and the prefix's verification per
+        token beyond the fixed ``verify``) is never chosen, however well the others pay."""
         n = len(cands)
         width = max((c.max_tokens for c in cands), default=0)
         gain = np.zeros((n, max(width, 1)))
         cost = np.zeros(n)
+        row = np.zeros(n)
         fixed = 0.0
         for i, c in enumerate(cands):
             depth = c.max_tokens if c.free else min(c.max_tokens, steps)
@@ -752,28 +814,45 @@ class GoodputController:
                 continue
             gain[i, :depth] = c.accept[:depth]
             cost[i] = v1 + c.row_seconds
+            row[i] = c.row_seconds
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
-        worth = gain > floor * cost[:, None]
-        rows, cols = np.nonzero(worth & (gain > 0))
+        rows, cols = np.nonzero(gain > 0)
         if rows.size == 0:
             return Choice([0] * n, base, plain, plain)
         g = gain[rows, cols]
         order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
+        m = np.arange(1, len(order) + 1)
+        if excess is None:
+            excess = v1 * m + verify
+        else:
+            excess = np.asarray(excess[: len(order)], dtype=np.float64)
         total = base + np.cumsum(g[order])
-        seconds = plain + steps * fixed + verify + np.cumsum(cost[rows][order])
-        best = int(np.argmax(total / seconds))
+        seconds = plain + steps * fixed + np.cumsum(row[rows][order]) + excess
+        per_token = np.maximum(excess - verify, 0.0) / m  # the prefix's verification per token
+        worth = g[order] > floor * (row[rows][order] + per_token)
+        if not worth.any():
+            return Choice([0] * n, base, plain, plain)
+        rate = np.where(worth, total / seconds, -np.inf)
+        best = int(np.argmax(rate))
         tokens = np.bincount(rows[order[: best + 1]], minlength=n)
         return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)
 
-    def _probe(self, cands: list[Candidate], best: Choice, free: bool = False) -> Choice:
-        """One draft token of one request (round robin) that the choice left out, a self-draft
-        (or, ``free``, a lookup draft: the whole of it, up to ``FREE_PROBE_TOKENS``), to
-        re-measure acceptance; the next probe of that kind comes twice as late unless such drafts
-        are chosen before it. A lookup probe costs only its verification, and its several
-        tokens are what tell the cost of a verified token from a verifying step's fixed cost
-        (one token at a time, noise in a few lone probes priced the step so high at batch 1 that
-        lookup drafts never ran again in a short engine test)."""
+    def _probe(
+        self, cands: list[Candidate], best: Choice, free: bool = False, plain: float = 0.0
+    ) -> Choice:
+        """Draft tokens of one request (round robin) that the choice left out, to re-measure
+        acceptance and cost; the next probe of that kind comes twice as late unless such drafts
+        are chosen before it. A lookup probe (``free``) drafts the whole match, up to
+        ``FREE_PROBE_TOKENS``: it costs only its verification. A self-draft probe drafts as many
+        tokens as its draft steps fit in ``PAID_PROBE_SHARE`` of a ``plain`` step, at least one,
+        and its probes come at least as often as ``PROBE_TIME_SHARE`` of the time pays for.
+        Several tokens are what tell the cost of a verified token from a verifying step's fixed
+        cost: one token at a time, noise in a few lone probes priced the step so high at batch 1
+        that lookup drafts never ran again in a short engine test, and feature heads, whose draft
+        step is a twentieth of a target step, drafted 2 tokens in a whole benchmark (their lone
+        probes priced a verifying step at 20 ms and a verified token at 16 ms, against 0 and
+        2.9 ms measured from the same engine's lookup rounds: docs/benchmarks.md, "Feature heads")."""
         if free:
             self._free_interval = min(2 * self._free_interval, self.max_probe_every)
             self._free_idle = 0
@@ -787,7 +866,17 @@ class GoodputController:
         i = options[self._probe_turn % len(options)]
         self._probe_turn += 1
         tokens = list(best.tokens)
-        tokens[i] = min(cands[i].max_tokens, self.FREE_PROBE_TOKENS) if free else 1
+        if free:
+            tokens[i] = min(cands[i].max_tokens, self.FREE_PROBE_TOKENS)
+        else:
+            c = cands[i]
+            step = c.row_seconds + c.plan_seconds
+            fit = int(self.PAID_PROBE_SHARE * plain / step) if step > 0 else self.FREE_PROBE_TOKENS
+            tokens[i] = max(1, min(c.max_tokens, self.FREE_PROBE_TOKENS, fit))
+            if plain > 0:  # probes a cheap drafter can afford come no rarer than they must
+                seconds = tokens[i] * step + self.costs.verify_excess(len(cands), tokens[i])
+                affordable = math.ceil(seconds / (self.PROBE_TIME_SHARE * plain))
+                self._probe_interval = min(self._probe_interval, max(self.probe_every, affordable))
         expected = best.expected_tokens + float(np.sum(cands[i].accept[: tokens[i]]))
         return Choice(
             tokens,

@@ -54,9 +54,11 @@ def test_cost_model_fits_target_and_draft_lines():
     assert all(type(v) is float for v in c.target_line())  # the engine's stats are serialised
     assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
     assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.009 * 8 + 0.007 * 2, rel=3e-3)
-    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0])))  # rank 0's figures win (TP)
+    # rank 0's figures win (TP): its line, draft step and shapes measured
+    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0]), {(2, 1): (0.0, 8.0)}))
     assert c.target_seconds(2, 4) == 3.5 and c.draft_seconds(2, rows=3) == 6.0
     assert c.target_seconds(2) == 2.0
+    assert c.target_seconds(2, 1) == pytest.approx(2.0 + 0.75 * 2 / 10)  # shrunk to the line
 
 
 def test_requests_and_draft_tokens_are_priced_apart():
@@ -223,7 +225,7 @@ def test_free_drafts_are_verified_where_paid_ones_would_not_pay():
 
 def test_worked_example_of_the_docstring():
     c = StepCostModel()
-    c.freeze(((0.070, 0.007, 0.007, 0.0), np.array([0.005, 0.0, 0.004])))
+    c.freeze(((0.070, 0.007, 0.007, 0.0), np.array([0.005, 0.0, 0.004]), {}))
     a = Candidate(3, np.array([0.9, 0.8, 0.7]), 0.004, 0.005)
     b = Candidate(3, np.array([0.3, 0.1, 0.03]), 0.004, 0.005)
     choice = GoodputController(c, margin=0.0).choose([a, b])
@@ -522,3 +524,70 @@ def test_verification_measured_dearer_than_the_line_raises_the_bar_for_lookup_dr
     assert free.open and free.time_calibration() == pytest.approx(1.5, rel=0.05)
     assert any(ctl.choose(sure).tokens)
     assert not any(ctl.choose(marginal).tokens)
+
+
+def test_self_draft_probes_carry_as_many_tokens_as_a_quarter_step_of_drafting_buys():
+    """A probe of several tokens tells a verified token's cost from a verifying step's fixed
+    cost. A drafter whose step is a twentieth of a plain one (feature heads) probes with its
+    whole draft (up to FREE_PROBE_TOKENS); one whose step is half a plain one probes one token."""
+    costs = measured()
+    plain = costs.target_seconds(1)
+    cheap = Candidate(3, np.cumprod([0.01] * 3), 0.0, plain / 20)
+    dear = Candidate(4, np.cumprod([0.01] * 4), 0.0, plain / 2)
+    for c, k in ((cheap, 3), (dear, 1)):
+        ctl = GoodputController(costs)
+        probes = [ch for ch in (ctl.choose([c]) for _ in range(300)) if any(ch.tokens)]
+        assert len(probes) >= 3 and all(p.probe and p.tokens == [k] for p in probes)
+
+
+def _cpu_shapes(shapes: bool = True) -> StepCostModel:
+    """Batch-1 steps as this project's CPU ran them (docs/benchmarks.md, "Step costs by shape"):
+    a plain forward 48 ms, verifying 1 draft 58 ms, 2 to 5 drafts 42 ms; a draft step 2 ms.
+    ``shapes=False``: the planted bug, a model that only has the line."""
+    c = StepCostModel(skip_first=False)
+    if not shapes:
+        c._add_shape = lambda shape, excess: None
+    for _ in range(6):
+        for drafts, seconds in ((0, 0.048), (0, 0.048), (1, 0.058), (2, 0.042), (3, 0.042)):
+            c.add_target(1, 1 + drafts, seconds)
+            c.add_target(1, 1 + drafts + 2 * (drafts > 1), seconds)  # 4 and 5 drafts
+    for _ in range(5):
+        c.add_draft(0.0, 1, 0.002)
+    return c
+
+
+def test_verification_is_priced_by_the_shapes_measured():
+    c = _cpu_shapes()
+    assert c.verify_excess(1, 1) == pytest.approx(0.010, rel=0.15)  # mostly the shape's mean
+    assert c.verify_excess(1, 3) == 0.0  # measured faster than plain: free, not a gain
+    v_tok, v_ver = c.target_line()[2:]
+    assert c.verify_excess(1, 9) == pytest.approx(9 * v_tok + v_ver)  # never seen: the line
+    assert c.verify_excess(2, 1) == pytest.approx(v_tok + v_ver)
+    assert c.target_seconds(1, 3) == pytest.approx(c.target_seconds(1))
+
+
+def test_a_cheap_drafter_drafts_the_shapes_that_pay():
+    """Feature heads at batch 1 (first draft 15% accepted, a draft step a twentieth of a
+    target step): priced by the line, whose slope and fixed cost the lone-draft steps inflate,
+    no draft pays; priced by shape, two drafts (a cheaper forward than one) do, and not a third
+    (its 2% acceptance does not pay for its draft step)."""
+    cand = Candidate(3, np.cumprod([0.15, 0.35, 0.35]), 0.0, 0.002)
+    assert GoodputController(_cpu_shapes(), probe_every=10**9).choose([cand]).tokens == [2]
+    assert GoodputController(_cpu_shapes(False), probe_every=10**9).choose([cand]).tokens == [0]
+
+
+def test_failing_probes_of_a_cheap_drafter_stay_as_frequent_as_they_are_affordable():
+    """Probes that keep failing come ever more rarely, but no rarer than half a percent of the
+    time pays for: a cheap drafter near break-even keeps a fresh estimate (without the cap,
+    the planted bug, probes come every 512 steps)."""
+    costs = measured()
+    plain = costs.target_seconds(1)
+    c = Candidate(3, np.cumprod([0.01] * 3), 0.0, plain / 20)
+    affordable = math.ceil(
+        (3 * plain / 20 + costs.verify_excess(1, 3)) / (GoodputController.PROBE_TIME_SHARE * plain)
+    )
+    assert affordable < 512
+    ctl = GoodputController(costs)
+    probed = [i for i in range(3000) if any(ctl.choose([c]).tokens)]
+    assert max(np.diff(probed)) <= affordable
+    assert len(probed) >= 3000 // affordable

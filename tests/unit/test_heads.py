@@ -395,6 +395,12 @@ def test_feature_heads_train_and_are_scored_per_offset(model):
         row = after[l]
         assert len(row["head_top1_by_offset"]) == 3
         assert row["head_top1"] == row["head_top1_by_offset"][0]
+        # by the first draft's confidence: a higher floor keeps fewer positions
+        gates = row["gated"]
+        assert gates[0]["min_confidence"] < gates[-1]["min_confidence"]
+        assert [g["coverage"] for g in gates] == sorted(
+            (g["coverage"] for g in gates), reverse=True
+        )
 
 
 def test_resumed_training_equals_an_uninterrupted_run(tmp_path, model, data, monkeypatch):
@@ -525,3 +531,25 @@ def test_cli_smoke_train_and_eval(tmp_path, monkeypatch):
     layers = json.loads(out.read_text())["layers"]
     assert set(layers) == {"0", "2"}
     assert all(len(row["head_top1_by_offset"]) == 2 for row in layers.values())
+
+
+def test_gated_precision_and_coverage_by_confidence():
+    from vllm_selfspec.heads.evaluate import GATES, gated
+
+    correct = torch.tensor([True, True, False, False])
+    conf = torch.tensor([0.9, 0.15, 0.35, 0.05])
+    rows = {g["min_confidence"]: g for g in gated(correct, conf)}
+    assert set(rows) == set(GATES)
+    assert rows[0.1] == {
+        "min_confidence": 0.1,
+        "coverage": 0.75,
+        "precision": pytest.approx(2 / 3),
+        "kept_agreement": 1.0,
+    }
+    assert rows[0.3]["precision"] == 0.5 and rows[0.3]["kept_agreement"] == 0.5
+    assert rows[0.7] == {
+        "min_confidence": 0.7,
+        "coverage": 0.25,
+        "precision": 1.0,
+        "kept_agreement": 0.5,
+    }

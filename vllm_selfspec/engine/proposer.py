@@ -808,6 +808,8 @@ class SelfSpecProposer:
         d["costs"] = {
             "target_forward_s": None if target is None else list(target),
             "draft_step_s": None if draft is None else draft.tolist(),
+            # per shape measured: [requests, draft tokens, samples, seconds over a plain step]
+            "verify_excess_s": self.costs.shapes(),
             # draft steps left out as carrying one-time costs (goodput.StepCostModel)
             "rejected_draft_samples": self.costs.rejected_draft_samples,
         }

@@ -44,14 +44,41 @@ def head_input(head: nn.Module, data: TokenData, layer: int, idx: torch.Tensor, 
 @torch.no_grad()
 def feature_top1(
     readout: Readout, head: nn.Module, data: TokenData, layer: int, rows: torch.Tensor, offset: int
-) -> torch.Tensor:
-    """A feature head's greedy token at ``rows``, reading the final layer ``offset`` back."""
-    out = []
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A feature head's greedy token at ``rows``, reading the final layer ``offset`` back, and
+    its probability (the head's confidence: what the engine's ``min_confidence`` reads)."""
+    tokens, probs = [], []
     for i in range(0, len(rows), CHUNK):
         idx = rows[i : i + CHUNK]
         o = torch.full_like(idx, offset)
-        out.append(readout.logits(head_input(head, data, layer, idx, o)).argmax(-1))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+        p, t = torch.softmax(readout.logits(head_input(head, data, layer, idx, o)), -1).max(-1)
+        tokens.append(t)
+        probs.append(p)
+    if not tokens:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    return torch.cat(tokens), torch.cat(probs)
+
+
+#: the confidence floors ``eval-heads`` reports a feature head's precision and coverage at
+GATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.7)
+
+
+def gated(correct: torch.Tensor, conf: torch.Tensor) -> list[dict[str, float | None]]:
+    """Per floor of ``GATES``: the share of positions whose confidence clears it (coverage), the
+    agreement among them (precision) and the share of all agreeing positions they keep."""
+    out = []
+    for floor in GATES:
+        keep = conf >= floor
+        precision, recall = precision_recall(keep, correct)
+        out.append(
+            {
+                "min_confidence": floor,
+                "coverage": float(keep.float().mean()) if len(keep) else None,
+                "precision": precision,
+                "kept_agreement": recall,
+            }
+        )
+    return out
 
 
 @torch.no_grad()
@@ -100,20 +127,22 @@ def agreement(
     also its ``precision``/``recall`` at ``head.threshold`` and the ``exit_rate`` (else None).
     Feature heads: ``head_top1`` reads the final layer one position back (a round's first
     draft token), ``head_top1_by_offset[j - 1]`` j positions back (its j-th, the tokens before
-    it right). ``generated_only``: score only positions predicting generated tokens (what a
+    it right), and ``gated``: by the first draft's probability, its precision and coverage at
+    each floor of ``GATES``. ``generated_only``: score only positions predicting generated tokens (what a
     drafter sees)."""
     rows = data.generated.nonzero()[:, 0] if generated_only else torch.arange(len(data))
     final = data.topk_ids[rows, 0]
     table: dict[str, dict[str, Any]] = {}
     for layer, head in heads.items():
         x = data.hidden[layer][rows]
-        by_offset = None
+        by_offset = conf = None
         if getattr(head, "kind", None) == "feature":
-            by_offset = [
-                feature_top1(readout, head, data, layer, rows, o) == final
-                for o in range(1, head.max_offset + 1)
-            ]
-            correct = by_offset[0]
+            by_offset, confs = [], []
+            for o in range(1, head.max_offset + 1):
+                tokens, c = feature_top1(readout, head, data, layer, rows, o)
+                by_offset.append(tokens == final)
+                confs.append(c)
+            correct, conf = by_offset[0], confs[0]
         else:
             correct = top1(readout, x, head) == final
         row: dict[str, Any] = {
@@ -128,6 +157,7 @@ def agreement(
             row["head_top1_by_offset"] = [
                 float(c.float().mean()) if len(x) else None for c in by_offset
             ]
+            row["gated"] = gated(correct, conf)  # a round's first draft, by its confidence
         if hasattr(head, "confidence"):
             exit_ = confidence(head, x) >= head.threshold
             row["precision"], row["recall"] = precision_recall(exit_, correct)
