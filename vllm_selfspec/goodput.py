@@ -142,6 +142,9 @@ class StepCostModel:
     #: a shape's mean is shrunk towards the line by this many samples' weight (a shape seen once
     #: or twice is mostly the line)
     SHAPE_PRIOR_WEIGHT = 2.0
+    #: a shape not measured is priced by the measured ones of as many requests within this many
+    #: draft tokens (``verify_excess``)
+    SHAPE_REACH = 2
     #: the shapes kept (the least recently measured one goes first); under tensor parallelism
     #: rank 0 sends them to the others each step
     MAX_SHAPES = 256
@@ -309,19 +312,37 @@ class StepCostModel:
 
     def verify_excess(self, requests: float, drafts: float) -> float:
         """Seconds a step of ``requests`` requests pays for verifying ``drafts`` draft tokens
-        over a plain step: the line's ``v_tok·D + v_ver``, or, for a shape measured, its decayed
-        mean shrunk towards the line (``SHAPE_PRIOR_WEIGHT``), never below 0 (a shape measured
-        faster than a plain step is priced as free, not as a gain); 0 for no drafts."""
+        over a plain step, never below 0 (a shape measured faster than a plain step is priced
+        as free, not as a gain); 0 for no drafts:
+
+        * a shape measured: its decayed mean shrunk towards the line (``SHAPE_PRIOR_WEIGHT``);
+        * else, with shapes of as many requests measured within ``SHAPE_REACH`` draft tokens:
+          the line, shifted by their mean residual (the nearest below and above). A shape the
+          controller has not drafted yet is priced like its neighbours: at batch 1 here 4 and
+          6 drafts measured free, and 5 priced by the line (16 ms) was never tried;
+        * else the line's ``v_tok·D + v_ver``."""
         line = self.target_line()
         if drafts <= 0 or line is None:
             return 0.0
-        excess = line[2] * drafts + line[3]
+        r, d = int(requests), int(drafts)
         shapes = self._frozen[2] if self._frozen is not None else self._shapes
-        seen = shapes.get((int(requests), int(drafts)))
-        if seen is None:
-            return excess
+        seen = shapes.get((r, d))
+        if seen is not None:
+            return max(0.0, self._shrunk(seen, line, d))
+        residuals = []
+        for sign in (-1, 1):
+            for step in range(1, self.SHAPE_REACH + 1):
+                near = shapes.get((r, d + sign * step))
+                if near is not None and d + sign * step > 0:
+                    n = d + sign * step
+                    residuals.append(self._shrunk(near, line, n) - (line[2] * n + line[3]))
+                    break
+        shift = sum(residuals) / len(residuals) if residuals else 0.0
+        return max(0.0, line[2] * d + line[3] + shift)
+
+    def _shrunk(self, seen, line, drafts: int) -> float:
         w = self.SHAPE_PRIOR_WEIGHT
-        return max(0.0, (seen[0] + w * excess) / (seen[1] + w))
+        return (seen[0] + w * (line[2] * drafts + line[3])) / (seen[1] + w)
 
     def token_seconds(self) -> float | None:
         """What one more verified draft token adds to a target forward."""

@@ -95,7 +95,7 @@ COUNTERS = {
     ),
     "controller_probes": (
         "controller_probes",
-        "Single-token self-draft probes of the goodput controller.",
+        "Probes of the goodput controller (one request drafts to re-measure acceptance and cost).",
     ),
 }
 GAUGES = {
