@@ -154,6 +154,11 @@ class StepCostModel:
     #: carried one-time costs (on CPU an exit head's first call packs its weights), and is not a
     #: sample. Early ones wait for the target line to be judged by.
     MAX_DRAFT_OVER_TARGET = 1.5
+    #: nor, once the draft line is measured, is one at more than this many times its
+    #: prediction, unless three in a row are (the machine slowed down): a feature head's draft
+    #: step (no decoder layer, ~2 ms) passes the bound above at 60 ms, and a few such samples
+    #: priced it at 63 ms for a whole run at batch 8
+    MAX_DRAFT_OVER_FIT = 4.0
 
     def __init__(self, skip_first: bool = True) -> None:
         #: leave out samples with one-time costs (``_first_of_shape``, ``MAX_DRAFT_OVER_TARGET``);
@@ -161,6 +166,7 @@ class StepCostModel:
         self.skip_first = skip_first
         self._held: list[tuple[float, int, float]] = []
         self.rejected_draft_samples = 0
+        self._outliers = 0  # draft samples rejected in a row by ``MAX_DRAFT_OVER_FIT``
         self.plain = OnlineFit(2)  # plain steps: (1, requests) -> seconds
         self.verify = OnlineFit(2)  # drafting steps: (draft tokens, 1) -> seconds over the plain
         self.drift = 0.0  # plain steps' recent residual over the plain plane (seconds)
@@ -231,8 +237,14 @@ class StepCostModel:
         for n_layers, n_rows, t in (*held, (layers, rows, seconds)):
             if t > self.MAX_DRAFT_OVER_TARGET * self.target_seconds(n_rows):
                 self.rejected_draft_samples += 1
-            else:
-                self.draft.add((1.0, n_layers, n_layers * n_rows), t)
+                continue
+            fitted = self.draft_seconds(n_layers, n_rows) if self._frozen is None else None
+            if fitted and t > self.MAX_DRAFT_OVER_FIT * fitted and self._outliers < 2:
+                self._outliers += 1  # a one-time cost, unless the next ones agree
+                self.rejected_draft_samples += 1
+                continue
+            self._outliers = 0
+            self.draft.add((1.0, n_layers, n_layers * n_rows), t)
 
     # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
     def state(self) -> tuple:

@@ -594,3 +594,20 @@ def test_failing_probes_of_a_cheap_drafter_stay_as_frequent_as_they_are_affordab
     probed = [i for i in range(3000) if any(ctl.choose([c]).tokens)]
     assert max(np.diff(probed)) <= affordable
     assert len(probed) >= 3000 // affordable
+
+
+def test_a_draft_step_far_above_its_measured_price_is_not_a_sample_unless_it_persists():
+    """A feature head's ~2 ms draft step with a one-time 60 ms one (below the target-forward
+    bound) keeps its price; three slow ones in a row are the machine, and count."""
+    costs = StepCostModel()
+    costs.add_target(1, 1, 0.05)
+    for _ in range(6):
+        costs.add_target(1, 1, 0.05)
+        costs.add_draft(0.0, 1, 0.002)
+    costs.add_draft(0.0, 1, 0.06)
+    costs.add_draft(0.0, 1, 0.002)
+    assert costs.draft_seconds(0.0, 1) == pytest.approx(0.002, rel=1e-3)
+    assert costs.rejected_draft_samples == 1
+    for _ in range(3):
+        costs.add_draft(0.0, 1, 0.03)
+    assert costs.draft_seconds(0.0, 1) > 0.004
