@@ -43,3 +43,46 @@ def test_a_worker_that_dies_is_reported_even_if_its_child_holds_the_pipe(tmp_pat
     finally:
         engine._res.close()
         engine._log.close()
+
+
+def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monkeypatch):
+    """A cost model that learnt its prices while the other engines' warm-ups competed for the
+    cores carried them into the timed runs (docs/benchmarks.md, "Step costs by shape")."""
+    from vllm_selfspec import bench
+
+    calls = []
+
+    class FakeEngine:
+        def __init__(self, name, spec, log, tmp):
+            self.name = name
+            calls.append(("start", name))
+
+        def ready(self):
+            calls.append(("loaded", self.name))
+
+        def warm_up(self):
+            calls.append(("warm", self.name))
+
+        def run(self, start, stop, fresh):
+            calls.append(("run", self.name))
+            return {"wall_s": 1.0, "tokens": 10}
+
+        def finish(self):
+            return {}
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(bench, "_Engine", FakeEngine)
+    configs = {"vanilla": None, "a": {"method": "a"}, "b": {"method": "b"}}
+    base = {"prompts": ["p"] * 4, "batch_size": 2}
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    bench.run_interleaved(configs, base, 1, 2, tmp_path, tmp_path)
+    kinds = [k for k, _ in calls]
+    names = ["vanilla", "a", "b"]
+    assert calls[:9] == [
+        *(("start", n) for n in names),
+        *(("loaded", n) for n in names),
+        *(("warm", n) for n in names),
+    ]
+    assert set(kinds[9:]) == {"run"}
