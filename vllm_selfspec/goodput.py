@@ -156,8 +156,8 @@ class StepCostModel:
     MAX_DRAFT_OVER_TARGET = 1.5
     #: nor, once the draft line is measured, is one at more than this many times its
     #: prediction, unless three in a row are (the machine slowed down): a feature head's draft
-    #: step (no decoder layer, ~2 ms) passes the bound above at 60 ms, and a few such samples
-    #: priced it at 63 ms for a whole run at batch 8
+    #: step (no decoder layer, ~2.5 ms) passes the bound above at up to 80 ms, and its first
+    #: samples once priced it at 11.4 ms for a whole run (docs/benchmarks.md, "Feature heads")
     MAX_DRAFT_OVER_FIT = 4.0
 
     def __init__(self, skip_first: bool = True) -> None:
