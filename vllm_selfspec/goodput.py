@@ -13,7 +13,8 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
   for verifying any, and of one draft step as ``d0 + d1·layers + d2·layers·rows``; both
   measured online with forgetting, steps with one-time costs left out. The slopes are
   bounded below (a noisy fit must not make verification free) and, until the data can tell
-  them, taken as conservative priors.
+  them, taken as conservative priors. Verification is also priced per step shape (requests,
+  draft tokens) where shapes were measured: a forward's time is not a line in its tokens.
 * ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
   accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one);
   for context-lookup drafts (``lookup.py``) the same per match length.
@@ -35,9 +36,9 @@ this project's CPU)::
 
 so request a drafts three tokens and request b none; at batch 16 the same request a would draft
 less, because its drafts then lengthen a step that already yields 16 tokens. A request whose
-drafts keep failing drafts nothing; every ``probe_every`` steps (doubling while probes fail) one
-such request drafts a token again, so its estimate can recover (self-drafts and lookup drafts
-each on their own clock).
+drafts keep failing drafts nothing; every ``probe_every`` steps (doubling while probes fail, no
+rarer than a cheap drafter can afford) one such request drafts again, a few tokens, so its
+estimate can recover (self-drafts and lookup drafts each on their own clock).
 
 The safety net compares what speculation *achieved* with plain decoding at the same batch size,
 both in wall-clock seconds of whole engine cycles (one proposer call to the next: the drafting,
@@ -112,7 +113,9 @@ class StepCostModel:
         it), and a drafting step is a sample of ``v_tok·D + v_ver`` over *the latest plain
         steps of its size* (a fast average per request count: the speed of the moment),
         fitted on drafting steps alone, so its evidence is not forgotten while no one drafts
-        (docs/benchmarks.md, "Pricing verification").
+        (docs/benchmarks.md, "Pricing verification"). The same excess is kept per shape
+        (requests, draft tokens) and prices the shapes measured and their neighbours
+        (``verify_excess``; docs/benchmarks.md, "Step costs by shape").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 

@@ -1,5 +1,6 @@
-"""Exit-head quality: top-1 agreement with the final layer, and the confidence estimator's
-precision/recall at its threshold. Every number here uses the exact float32 read-out."""
+"""Exit-head quality: top-1 agreement with the final layer, the confidence estimator's
+precision/recall at its threshold, and a feature head's precision/coverage by its confidence.
+Every number here uses the exact float32 read-out."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def feature_top1(
     readout: Readout, head: nn.Module, data: TokenData, layer: int, rows: torch.Tensor, offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A feature head's greedy token at ``rows``, reading the final layer ``offset`` back, and
-    its probability (the head's confidence: what the engine's ``min_confidence`` reads)."""
+    its probability (the head's confidence, which ``gated`` scores)."""
     tokens, probs = [], []
     for i in range(0, len(rows), CHUNK):
         idx = rows[i : i + CHUNK]
@@ -128,8 +129,8 @@ def agreement(
     Feature heads: ``head_top1`` reads the final layer one position back (a round's first
     draft token), ``head_top1_by_offset[j - 1]`` j positions back (its j-th, the tokens before
     it right), and ``gated``: by the first draft's probability, its precision and coverage at
-    each floor of ``GATES``. ``generated_only``: score only positions predicting generated tokens (what a
-    drafter sees)."""
+    each floor of ``GATES``. ``generated_only``: score only positions predicting generated
+    tokens (what a drafter sees)."""
     rows = data.generated.nonzero()[:, 0] if generated_only else torch.arange(len(data))
     final = data.topk_ids[rows, 0]
     table: dict[str, dict[str, Any]] = {}
@@ -137,12 +138,13 @@ def agreement(
         x = data.hidden[layer][rows]
         by_offset = conf = None
         if getattr(head, "kind", None) == "feature":
-            by_offset, confs = [], []
+            by_offset = []
             for o in range(1, head.max_offset + 1):
                 tokens, c = feature_top1(readout, head, data, layer, rows, o)
                 by_offset.append(tokens == final)
-                confs.append(c)
-            correct, conf = by_offset[0], confs[0]
+                if o == 1:  # ``gated`` scores a round's first draft
+                    conf = c
+            correct = by_offset[0]
         else:
             correct = top1(readout, x, head) == final
         row: dict[str, Any] = {
