@@ -157,6 +157,8 @@ def method_configs(
     for name, opts in extra.items():
         if name not in configs:
             raise ValueError(f"--method-config names {name!r}, which is not in --methods")
+        if configs[name] is None and opts == {"method": "vanilla"}:
+            continue  # a second vanilla engine: an A/A control of the bench itself
         if configs[name] is None or not isinstance(opts, dict):
             raise ValueError(
                 f"--method-config[{name!r}]: expected a dict of options for a speculative method"
