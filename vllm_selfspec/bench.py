@@ -68,6 +68,9 @@ ENGINE_ARGS = dict(
     seed=0,
     disable_log_stats=False,
 )
+#: what a timed run reports, summed per repeat: its wall time and tokens, and those of the part
+#: of it during which the batch was full (``full_batch_window``)
+RUN_FIELDS = ("wall_s", "tokens", "full_s", "full_tokens")
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
 SETTLE_S = 1.2
@@ -235,16 +238,17 @@ def _worker(spec_path: str) -> int:
             # every timed run computes its prompts, as a server does for prompts it has not seen
             # (not the prefix cache's copies from the warm-up and the repeats before)
             llm.reset_prefix_cache()
-            t0 = time.perf_counter()
-            outputs = llm.generate(prompts[start:stop], params, use_tqdm=False)
-            wall = time.perf_counter() - t0
-            ids = [list(o.outputs[0].token_ids) for o in outputs]
+            ids, steps = _generate(llm, prompts[start:stop], params)
+            wall = steps[-1][0] if steps else 0.0
+            window_s, window_tokens = full_batch_window(steps, stop - start, spec["batch_size"])
             for i, x in enumerate(ids, start):
                 if token_ids[i] is None:
                     token_ids[i] = x
                 elif x != token_ids[i]:  # greedy decoding should repeat itself exactly
                     deterministic = False
-            res.write(json.dumps({"wall_s": wall, "tokens": sum(map(len, ids))}) + "\n")
+            run = {"wall_s": wall, "tokens": sum(map(len, ids))}
+            run.update(full_s=window_s, full_tokens=window_tokens)
+            res.write(json.dumps(run) + "\n")
             res.flush()
         after = _spec_counters(llm)
         result = {
@@ -259,6 +263,60 @@ def _worker(spec_path: str) -> int:
         res.write("done\n")
         res.flush()
     return 0
+
+
+def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], list[tuple]]:
+    """``llm.generate`` step by step: each prompt's output token ids, and per engine step that
+    emitted tokens (seconds since the first request was added, tokens emitted, requests that
+    finished), for ``full_batch_window``."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA  # each step's new tokens, as a stream gets them
+    engine, tag = llm.llm_engine, f"bench-{time.monotonic_ns()}-"
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", prompt, params)
+    ids: dict[str, list[int]] = {}
+    steps = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if not outs:
+            continue
+        for o in outs:
+            ids.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        emitted = sum(len(o.outputs[0].token_ids) for o in outs)
+        steps.append((time.perf_counter() - t0, emitted, sum(o.finished for o in outs)))
+    return [ids.get(f"{tag}{i}", []) for i in range(len(prompts))], steps
+
+
+def full_batch_window(steps: list[tuple], num_requests: int, batch_size: int) -> tuple[float, int]:
+    """(seconds, tokens) of a run while its batch was full: from the start to the step at which
+    fewer than ``batch_size`` requests were left unfinished (all of the run when that happens
+    only at its end). ``steps``: (seconds since start, tokens emitted, requests finished) per
+    engine step. A run of fewer requests than the batch is never full: (0.0, 0).
+
+    This is throughput at a standing concurrency of ``batch_size``, what a server with a queue
+    sees. A closed batch also has a tail: speculation ends some requests early, and the last
+    ones decode in a thinning batch that plain decoding (its requests in lockstep) never has.
+
+    Six requests at batch 4: two finish at the second step and the last two queued take their
+    places; one more finishes at the third, after which three are left::
+
+    >>> full_batch_window([(1.0, 4, 0), (2.0, 6, 2), (3.0, 4, 1), (4.0, 3, 3)], 6, 4)
+    (3.0, 14)
+    >>> full_batch_window([(1.0, 4, 0), (2.0, 4, 4)], 4, 4)
+    (2.0, 8)
+    """
+    if num_requests < batch_size:
+        return 0.0, 0
+    left, tokens = num_requests, 0
+    for seconds, emitted, finished in steps:
+        tokens += emitted
+        left -= finished
+        if left < batch_size:
+            return seconds, tokens
+    return (steps[-1][0], tokens) if steps else (0.0, 0)
 
 
 class _Engine:
@@ -394,21 +452,30 @@ def run_interleaved(
             for e in engines.values():  # and warm up alone (``_worker``)
                 e.warm_up()
             runs: dict[str, list[dict]] = {n: [] for n in names}
+            full: dict[str, list[float]] = {n: [] for n in names}
             for _ in range(repeats):
-                total = {n: {"wall_s": 0.0, "tokens": 0} for n in names}
+                total = {n: dict.fromkeys(RUN_FIELDS, 0) for n in names}
                 for c, (start, stop) in enumerate(chunks(len(base["prompts"]), base["batch_size"])):
                     for n in names:
                         time.sleep(SETTLE_S)
                         run = engines[n].run(start, stop, fresh=c == 0)
-                        total[n]["wall_s"] += run["wall_s"]
-                        total[n]["tokens"] += run["tokens"]
+                        for k in RUN_FIELDS:
+                            total[n][k] += run[k]
                 tps = {n: t["tokens"] / t["wall_s"] for n, t in total.items()}
+                # tokens/s while the batch was full (full_batch_window), where any chunk was
+                full_tps = {
+                    n: t["full_tokens"] / t["full_s"] if t["full_s"] else None
+                    for n, t in total.items()
+                }
                 for n in names:
                     runs[n].append(total[n])
                     ratios[n].append(tps[n] / tps["vanilla"])
+                    if full_tps[n] and full_tps["vanilla"]:
+                        full[n].append(full_tps[n] / full_tps["vanilla"])
             results = {n: e.finish() for n, e in engines.items()}
             for n in names:
                 results[n]["runs"] = runs[n]
+                results[n]["full_batch_ratios"] = full[n]
         finally:
             for e in engines.values():
                 e.kill()
@@ -452,12 +519,16 @@ def summarize(
         }
     ref_tps = statistics.median(r["tokens"] / r["wall_s"] for r in ref["runs"])
     speedup = statistics.median(ratios) if ratios else tps / ref_tps
+    full = raw.get("full_batch_ratios") or []
     same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
     return {
         "tokens_per_s": tps,
         "tokens_per_s_runs": tps_runs,
         "speedup": speedup,
         "speedup_runs": ratios,
+        # the same ratio while the batch was full (a server's standing queue; no closed tail)
+        "full_batch_speedup": statistics.median(full) if full else None,
+        "full_batch_speedup_runs": full,
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
         if spec and c["draft_tokens"]
         else None,
@@ -484,9 +555,10 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
 
 def markdown_table(methods: dict[str, dict]) -> str:
     lines = [
-        "| method | tok/s | speedup | acceptance | mean accepted/round | tokens/layer "
-        "| parity | draft/verify/policy/shadow/optimise share | skipped attn/MLP per round |",
-        "|" + "---|" * 9,
+        "| method | tok/s | speedup | full-batch speedup | acceptance | mean accepted/round "
+        "| tokens/layer | parity | draft/verify/policy/shadow/optimise share "
+        "| skipped attn/MLP per round |",
+        "|" + "---|" * 10,
     ]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
@@ -509,6 +581,7 @@ def markdown_table(methods: dict[str, dict]) -> str:
         )
         lines.append(
             f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
+            f"| {_fmt(m.get('full_batch_speedup'), '.2f')}{'x' if m.get('full_batch_speedup') else ''} "
             f"| {_fmt(m['acceptance_rate'], pct=True)} "
             f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
             f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "

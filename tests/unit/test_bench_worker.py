@@ -65,7 +65,7 @@ def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monk
 
         def run(self, start, stop, fresh):
             calls.append(("run", self.name))
-            return {"wall_s": 1.0, "tokens": 10}
+            return {"wall_s": 1.0, "tokens": 10, "full_s": 0.5, "full_tokens": 6}
 
         def finish(self):
             return {}
@@ -86,3 +86,54 @@ def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monk
         *(("warm", n) for n in names),
     ]
     assert set(kinds[9:]) == {"run"}
+
+
+def test_full_batch_window_ends_when_fewer_requests_are_left_than_the_batch_holds():
+    """Throughput at a standing concurrency: a closed batch's tail (its last requests decoding in
+    a thinning batch) is left out, and a run whose requests keep in lockstep counts whole."""
+    from vllm_selfspec.bench import full_batch_window
+
+    # 8 requests at batch 4 in lockstep: 4 finish at step 10, the other 4 at step 20
+    lockstep = [(0.1 * s, 4, 4 if s in (10, 20) else 0) for s in range(1, 21)]
+    assert full_batch_window(lockstep, 8, 4) == (2.0, 80)
+    # staggered: after step 3, 4 requests are left (still a full batch); after step 4, 3
+    steps = [(1.0, 4, 1), (2.0, 4, 2), (3.0, 4, 1), (4.0, 4, 1), (5.0, 3, 3)]
+    assert full_batch_window(steps, 8, 4) == (4.0, 16)
+    assert full_batch_window(steps, 3, 4) == (0.0, 0)  # never a full batch
+    assert full_batch_window([], 4, 4) == (0.0, 0)
+
+
+def test_the_full_batch_speedup_is_the_median_of_same_repeat_ratios(tmp_path, monkeypatch):
+    from vllm_selfspec import bench
+
+    # tokens/s (whole run, full batch): "a" loses in its closed tail what it gains at full batch
+    speed = {"vanilla": (10.0, 10.0), "a": (9.0, 12.0)}
+
+    class FakeEngine:
+        def __init__(self, name, spec, log, tmp):
+            self.name = name
+
+        def ready(self):
+            pass
+
+        def warm_up(self):
+            pass
+
+        def run(self, start, stop, fresh):
+            whole, full = speed[self.name]
+            return {"wall_s": 10 / whole, "tokens": 10, "full_s": 6 / full, "full_tokens": 6}
+
+        def finish(self):
+            return {}
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(bench, "_Engine", FakeEngine)
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    configs = {"vanilla": None, "a": {"method": "a"}}
+    raw, ratios = bench.run_interleaved(
+        configs, {"prompts": ["p"] * 4, "batch_size": 2}, 3, 1, tmp_path, tmp_path
+    )
+    assert ratios["a"] == pytest.approx([0.9] * 3)
+    assert raw["a"]["full_batch_ratios"] == pytest.approx([1.2] * 3)
