@@ -7,8 +7,9 @@
 Each method runs in its own subprocess and engine, with greedy sampling. The methods run in
 groups of ``--group-size``, each group live at once beside its own vanilla engine, and their timed
 repeats are *interleaved*: a repeat runs the prompts in slices of twice the batch size, each slice
-by vanilla, then by each method of the group (with a pause between runs so an idle engine's
-polling has stopped). Before its repeats, each engine runs the whole workload once untimed (the
+by vanilla and each method of the group in turn (with a pause between runs so an idle engine's
+polling has stopped; each repeat starts with the next engine of the group, so none always runs
+first). Before its repeats, each engine runs the whole workload once untimed (the
 warm-up; the engines of a group load together but warm up one at a time), and each timed run
 starts from an empty prefix cache. A method's speedup is the median over repeats of its
 tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed drifts within
@@ -453,10 +454,12 @@ def run_interleaved(
                 e.warm_up()
             runs: dict[str, list[dict]] = {n: [] for n in names}
             full: dict[str, list[float]] = {n: [] for n in names}
-            for _ in range(repeats):
+            for r in range(repeats):
                 total = {n: dict.fromkeys(RUN_FIELDS, 0) for n in names}
+                # each repeat starts with the next engine: no engine always runs first
+                order = names[r % len(names) :] + names[: r % len(names)]
                 for c, (start, stop) in enumerate(chunks(len(base["prompts"]), base["batch_size"])):
-                    for n in names:
+                    for n in order:
                         time.sleep(SETTLE_S)
                         run = engines[n].run(start, stop, fresh=c == 0)
                         for k in RUN_FIELDS:

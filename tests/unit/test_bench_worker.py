@@ -103,11 +103,14 @@ def test_full_batch_window_ends_when_fewer_requests_are_left_than_the_batch_hold
     assert full_batch_window([], 4, 4) == (0.0, 0)
 
 
-def test_the_full_batch_speedup_is_the_median_of_same_repeat_ratios(tmp_path, monkeypatch):
+def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order(
+    tmp_path, monkeypatch
+):
     from vllm_selfspec import bench
 
     # tokens/s (whole run, full batch): "a" loses in its closed tail what it gains at full batch
     speed = {"vanilla": (10.0, 10.0), "a": (9.0, 12.0)}
+    runs = []
 
     class FakeEngine:
         def __init__(self, name, spec, log, tmp):
@@ -120,6 +123,7 @@ def test_the_full_batch_speedup_is_the_median_of_same_repeat_ratios(tmp_path, mo
             pass
 
         def run(self, start, stop, fresh):
+            runs.append(self.name)
             whole, full = speed[self.name]
             return {"wall_s": 10 / whole, "tokens": 10, "full_s": 6 / full, "full_tokens": 6}
 
@@ -137,3 +141,5 @@ def test_the_full_batch_speedup_is_the_median_of_same_repeat_ratios(tmp_path, mo
     )
     assert ratios["a"] == pytest.approx([0.9] * 3)
     assert raw["a"]["full_batch_ratios"] == pytest.approx([1.2] * 3)
+    # one slice a repeat here; each repeat starts with the next engine (none always runs first)
+    assert runs == ["vanilla", "a", "a", "vanilla", "vanilla", "a"]
