@@ -70,7 +70,7 @@ ENGINE_ARGS = dict(
     disable_log_stats=False,
 )
 #: what a timed run reports, summed per repeat: its wall time and tokens, and those of the part
-#: of it during which the batch was full (``full_batch_window``)
+#: of its decode steps at a full batch (``full_batch_decode``)
 RUN_FIELDS = ("wall_s", "tokens", "full_s", "full_tokens")
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
@@ -241,7 +241,7 @@ def _worker(spec_path: str) -> int:
             llm.reset_prefix_cache()
             ids, steps = _generate(llm, prompts[start:stop], params)
             wall = steps[-1][0] if steps else 0.0
-            window_s, window_tokens = full_batch_window(steps, stop - start, spec["batch_size"])
+            window_s, window_tokens = full_batch_decode(steps, stop - start, spec["batch_size"])
             for i, x in enumerate(ids, start):
                 if token_ids[i] is None:
                     token_ids[i] = x
@@ -269,7 +269,7 @@ def _worker(spec_path: str) -> int:
 def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], list[tuple]]:
     """``llm.generate`` step by step: each prompt's output token ids, and per engine step that
     emitted tokens (seconds since the first request was added, tokens emitted, requests that
-    finished), for ``full_batch_window``."""
+    finished, requests that got their first token), for ``full_batch_decode``."""
     from vllm.sampling_params import RequestOutputKind
 
     params = params.clone()
@@ -284,40 +284,41 @@ def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], list[tu
         outs = engine.step()
         if not outs:
             continue
+        first = sum(o.request_id not in ids for o in outs)
         for o in outs:
             ids.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         emitted = sum(len(o.outputs[0].token_ids) for o in outs)
-        steps.append((time.perf_counter() - t0, emitted, sum(o.finished for o in outs)))
+        steps.append((time.perf_counter() - t0, emitted, sum(o.finished for o in outs), first))
     return [ids.get(f"{tag}{i}", []) for i in range(len(prompts))], steps
 
 
-def full_batch_window(steps: list[tuple], num_requests: int, batch_size: int) -> tuple[float, int]:
-    """(seconds, tokens) of a run while its batch was full: from the start to the step at which
-    fewer than ``batch_size`` requests were left unfinished (all of the run when that happens
-    only at its end). ``steps``: (seconds since start, tokens emitted, requests finished) per
-    engine step. A run of fewer requests than the batch is never full: (0.0, 0).
+def full_batch_decode(steps: list[tuple], num_requests: int, batch_size: int) -> tuple[float, int]:
+    """(seconds, tokens) of a run's decode steps at a full batch: the steps before which at
+    least ``batch_size`` requests were unfinished and in which no request got its first token
+    (no prompt was prefilled). ``steps``: (seconds since start, tokens emitted, requests
+    finished, requests that got their first token) per engine step.
 
-    This is throughput at a standing concurrency of ``batch_size``, what a server with a queue
-    sees. A closed batch also has a tail: speculation ends some requests early, and the last
-    ones decode in a thinning batch that plain decoding (its requests in lockstep) never has.
+    What a server with a standing queue decodes at, from a closed batch: its tail is left out
+    (speculation ends some requests early, and the last ones decode in a thinning batch, which
+    plain decoding, its requests in lockstep, never has), and so are the prefills, which fall
+    differently (plain decoding admits a wave at once, speculation one request at a time).
 
-    Six requests at batch 4: two finish at the second step and the last two queued take their
-    places; one more finishes at the third, after which three are left::
+    Six requests at batch 4: the first step prefills four, two finish at the third and the
+    last two are prefilled at the fourth; after the fifth three are left::
 
-    >>> full_batch_window([(1.0, 4, 0), (2.0, 6, 2), (3.0, 4, 1), (4.0, 3, 3)], 6, 4)
-    (3.0, 14)
-    >>> full_batch_window([(1.0, 4, 0), (2.0, 4, 4)], 4, 4)
-    (2.0, 8)
+    >>> steps = [(1.0, 4, 0, 4), (1.5, 4, 0, 0), (2.0, 4, 2, 0), (3.0, 4, 0, 2),
+    ...          (3.5, 4, 1, 0), (4.0, 3, 3, 0)]
+    >>> full_batch_decode(steps, 6, 4)
+    (1.5, 12)
     """
-    if num_requests < batch_size:
-        return 0.0, 0
-    left, tokens = num_requests, 0
-    for seconds, emitted, finished in steps:
-        tokens += emitted
+    left, prev, seconds, tokens = num_requests, 0.0, 0.0, 0
+    for t, emitted, finished, first in steps:
+        if left >= batch_size and not first:
+            seconds += t - prev
+            tokens += emitted
         left -= finished
-        if left < batch_size:
-            return seconds, tokens
-    return (steps[-1][0], tokens) if steps else (0.0, 0)
+        prev = t
+    return seconds, tokens
 
 
 class _Engine:
@@ -465,7 +466,7 @@ def run_interleaved(
                         for k in RUN_FIELDS:
                             total[n][k] += run[k]
                 tps = {n: t["tokens"] / t["wall_s"] for n, t in total.items()}
-                # tokens/s while the batch was full (full_batch_window), where any chunk was
+                # tokens/s of the decode steps at a full batch (full_batch_decode), if any
                 full_tps = {
                     n: t["full_tokens"] / t["full_s"] if t["full_s"] else None
                     for n, t in total.items()
@@ -529,7 +530,8 @@ def summarize(
         "tokens_per_s_runs": tps_runs,
         "speedup": speedup,
         "speedup_runs": ratios,
-        # the same ratio while the batch was full (a server's standing queue; no closed tail)
+        # the same ratio over decode steps at a full batch (a server's standing queue: no closed
+        # batch's tail, no prefills)
         "full_batch_speedup": statistics.median(full) if full else None,
         "full_batch_speedup_runs": full,
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]

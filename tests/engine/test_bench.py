@@ -43,6 +43,8 @@ def test_bench_writes_results(model_path, tmp_path):
     assert van["speedup"] == 1.0 and van["tokens_per_layer"] == pytest.approx(1 / 30)
     assert full["parity"] == 1.0 and full["acceptance_rate"] == 1.0
     assert full["tokens_per_s"] > 0 and full["time_breakdown"]["seconds"]["draft"] > 0
+    # two requests at batch 2: the batch is full until the first ends, a part of each run
+    assert van["full_batch_speedup"] == 1.0 and full["full_batch_speedup"] > 0
     assert "| full |" in (out / "results.md").read_text()
     assert (out / "speedup.png").stat().st_size > 0
 

@@ -88,19 +88,26 @@ def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monk
     assert set(kinds[9:]) == {"run"}
 
 
-def test_full_batch_window_ends_when_fewer_requests_are_left_than_the_batch_holds():
-    """Throughput at a standing concurrency: a closed batch's tail (its last requests decoding in
-    a thinning batch) is left out, and a run whose requests keep in lockstep counts whole."""
-    from vllm_selfspec.bench import full_batch_window
+def test_full_batch_decode_counts_decode_steps_while_the_batch_is_full():
+    """Decode throughput at a standing concurrency: a closed batch's tail (its last requests
+    decoding in a thinning batch) and the prefill steps are left out; a run whose requests keep
+    in lockstep counts whole but for its prefills."""
+    from vllm_selfspec.bench import full_batch_decode
 
-    # 8 requests at batch 4 in lockstep: 4 finish at step 10, the other 4 at step 20
-    lockstep = [(0.1 * s, 4, 4 if s in (10, 20) else 0) for s in range(1, 21)]
-    assert full_batch_window(lockstep, 8, 4) == (2.0, 80)
-    # staggered: after step 3, 4 requests are left (still a full batch); after step 4, 3
-    steps = [(1.0, 4, 1), (2.0, 4, 2), (3.0, 4, 1), (4.0, 4, 1), (5.0, 3, 3)]
-    assert full_batch_window(steps, 8, 4) == (4.0, 16)
-    assert full_batch_window(steps, 3, 4) == (0.0, 0)  # never a full batch
-    assert full_batch_window([], 4, 4) == (0.0, 0)
+    # 8 requests at batch 4 in lockstep: prefilled at steps 1 and 11, finished at 10 and 20
+    lockstep = [
+        (0.1 * s, 4, 4 if s in (10, 20) else 0, 4 if s in (1, 11) else 0) for s in range(1, 21)
+    ]
+    seconds, tokens = full_batch_decode(lockstep, 8, 4)
+    assert (round(seconds, 6), tokens) == (1.8, 72)
+    # staggered: after step 4, 4 requests are left (still a full batch: step 5 counts); after
+    # step 5, 3 (step 6 does not); step 3 prefilled the requests that took the finished ones'
+    # places
+    steps = [(1.0, 4, 0, 4), (2.0, 4, 1, 0), (3.0, 4, 2, 3), (4.0, 4, 1, 0), (5.0, 4, 1, 0)]
+    steps.append((6.0, 3, 3, 0))
+    assert full_batch_decode(steps, 8, 4) == (3.0, 12)
+    assert full_batch_decode(steps, 3, 4) == (0.0, 0)  # never a full batch
+    assert full_batch_decode([], 4, 4) == (0.0, 0)
 
 
 def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order(
