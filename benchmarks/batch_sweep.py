@@ -72,8 +72,8 @@ def summarize(out: Path) -> str:
             f"### {prompts}",
             "",
             "speedup over vanilla of the same run (tokens/s, median of the per-round ratios), "
-            "at batch > 1 also while the batch was full (`full_batch_speedup`: no closed "
-            "batch's tail); acceptance; parity with vanilla",
+            "at batch > 1 also over decode steps at a full batch (`full_batch_speedup`: no "
+            "closed batch's tail, no prefills); acceptance; parity with vanilla",
             "",
             "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
             "|---|" + "---|" * len(sizes),

@@ -69,8 +69,8 @@ ENGINE_ARGS = dict(
     seed=0,
     disable_log_stats=False,
 )
-#: what a timed run reports, summed per repeat: its wall time and tokens, and those of the part
-#: of its decode steps at a full batch (``full_batch_decode``)
+#: what a timed run reports, summed per repeat: its wall time and tokens, and those of its
+#: decode steps at a full batch (``full_batch_decode``)
 RUN_FIELDS = ("wall_s", "tokens", "full_s", "full_tokens")
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
@@ -239,16 +239,19 @@ def _worker(spec_path: str) -> int:
             # every timed run computes its prompts, as a server does for prompts it has not seen
             # (not the prefix cache's copies from the warm-up and the repeats before)
             llm.reset_prefix_cache()
-            ids, steps = _generate(llm, prompts[start:stop], params)
-            wall = steps[-1][0] if steps else 0.0
-            window_s, window_tokens = full_batch_decode(steps, stop - start, spec["batch_size"])
+            ids, wall, steps = _generate(llm, prompts[start:stop], params)
+            full_s, full_tokens = full_batch_decode(steps, stop - start, spec["batch_size"])
             for i, x in enumerate(ids, start):
                 if token_ids[i] is None:
                     token_ids[i] = x
                 elif x != token_ids[i]:  # greedy decoding should repeat itself exactly
                     deterministic = False
-            run = {"wall_s": wall, "tokens": sum(map(len, ids))}
-            run.update(full_s=window_s, full_tokens=window_tokens)
+            run = {
+                "wall_s": wall,
+                "tokens": sum(map(len, ids)),
+                "full_s": full_s,
+                "full_tokens": full_tokens,
+            }
             res.write(json.dumps(run) + "\n")
             res.flush()
         after = _spec_counters(llm)
@@ -266,10 +269,11 @@ def _worker(spec_path: str) -> int:
     return 0
 
 
-def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], list[tuple]]:
-    """``llm.generate`` step by step: each prompt's output token ids, and per engine step that
-    emitted tokens (seconds since the first request was added, tokens emitted, requests that
-    finished, requests that got their first token), for ``full_batch_decode``."""
+def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], float, list[tuple]]:
+    """``llm.generate`` step by step: each prompt's output token ids, the seconds it all took,
+    and per engine step that emitted tokens (seconds since the first request was added, tokens
+    emitted, requests that finished, requests that got their first token), for
+    ``full_batch_decode``."""
     from vllm.sampling_params import RequestOutputKind
 
     params = params.clone()
@@ -289,7 +293,8 @@ def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], list[tu
             ids.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
         emitted = sum(len(o.outputs[0].token_ids) for o in outs)
         steps.append((time.perf_counter() - t0, emitted, sum(o.finished for o in outs), first))
-    return [ids.get(f"{tag}{i}", []) for i in range(len(prompts))], steps
+    wall = time.perf_counter() - t0
+    return [ids.get(f"{tag}{i}", []) for i in range(len(prompts))], wall, steps
 
 
 def full_batch_decode(steps: list[tuple], num_requests: int, batch_size: int) -> tuple[float, int]:
