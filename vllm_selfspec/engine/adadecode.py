@@ -32,7 +32,9 @@ import torch
 
 from ..deferred import Round, draft_round, finish_plan, usable_prefix
 from ..plans import LayerPlan
+from .drafting import Drafter
 from .kv_groups import slots_of
+from .stats import layer_computations
 
 
 @dataclass
@@ -59,11 +61,11 @@ class _DraftBackend:
         temps: list[float],
         probs,
     ):
-        p = engine.proposer
-        self.engine, self.p, self.rounds, self.width = engine, p, rounds, width
-        self.exe = p.executor
+        ctx = engine.ctx
+        self.engine, self.ctx, self.rounds, self.width = engine, ctx, rounds, width
+        self.exe = ctx.executor
         dev = runner.device
-        kv = p.kv_groups()
+        kv = ctx.kv_groups()
         self.tables = kv.tables(runner.input_batch, torch.tensor(rows))
         B = len(rows)
         pos = torch.from_numpy(pos0.astype(np.int64))[:, None] + torch.arange(width)[None, :]
@@ -80,14 +82,14 @@ class _DraftBackend:
                 for t, g in zip(self.tables, kv.groups)
             ]
         )
-        d = p.info.hidden_size
+        d = ctx.info.hidden_size
         param = self.exe.layout.norm.weight
         self.h = torch.zeros(B * width, d, dtype=param.dtype, device=dev)
         self.res = torch.zeros_like(self.h)
         self.pos0 = pos0
         #: request r's sampled drafts' q go to probs[r] (None: all greedy)
         self.temps, self.probs = temps, probs
-        self.plan = LayerPlan.full(p.info.num_layers)
+        self.plan = LayerPlan.full(ctx.info.num_layers)
         self._md: dict[tuple, tuple] = {}
 
     def _idx(self, rows: list[tuple[int, int]]) -> torch.Tensor:
@@ -105,7 +107,7 @@ class _DraftBackend:
             seq = torch.tensor(
                 [int(self.pos0[r]) + len(self.rounds[r].tokens) for r in reqs], dtype=torch.int32
             )
-            md = self.p.rows_metadata(
+            md = self.ctx.rows_metadata(
                 [t[torch.tensor(reqs, device=t.device)] for t in self.tables],
                 list(per_req.values()),
                 seq,
@@ -120,15 +122,13 @@ class _DraftBackend:
         else:
             h, res = self.h[idx], self.res[idx]
         t0 = time.perf_counter()
-        with self.p._set_forward_context(
-            md, self.p.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
-        ):
+        with self.ctx.forward_context(md, len(rows), slot_map):
             h, res = self.exe.run_layers(self.plan, h, res, self.pos[idx], start, stop)
         self.h[idx], self.res[idx] = h, res
-        st = self.p.stats
+        st = self.ctx.stats
         st.draft_token_layers += len(rows) * (stop - start)
         st.draft_layers += (stop - start) * len({r for r, _ in rows})
-        self.p.costs.add_draft(stop - start, len(rows), time.perf_counter() - t0)
+        self.ctx.costs.add_draft(stop - start, len(rows), time.perf_counter() - t0)
 
     def predict(self, requests: list[int], layer: int) -> tuple[list[int], list[bool]]:
         rows = [(r, len(self.rounds[r].tokens) - 1) for r in requests]
@@ -141,13 +141,13 @@ class _DraftBackend:
         q = torch.softmax(logits / torch.where(sampled, temps, 1.0)[:, None], -1)
         nxt = q.argmax(-1)
         if bool(sampled.any()):
-            draw = torch.multinomial(q.cpu(), 1, generator=self.p._generator).squeeze(1)
+            draw = torch.multinomial(q.cpu(), 1, generator=self.ctx.generator).squeeze(1)
             nxt = torch.where(sampled, draw.to(nxt.device), nxt)
         conf = q.gather(1, nxt[:, None]).squeeze(1)
         confident = (conf > self.engine.threshold).tolist()
         vocab_ids = self.exe.vocab_ids
         tokens = (vocab_ids[nxt] if vocab_ids is not None else nxt).tolist()
-        st = self.p.stats
+        st = self.ctx.stats
         for a, r in enumerate(requests):
             if confident[a]:
                 st.early_predicted[layer] += 1
@@ -156,20 +156,20 @@ class _DraftBackend:
             if confident[a] and self.temps[r] > 0:
                 qa = q[a]
                 if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
-                    qa = qa.new_zeros(self.p.info.vocab_size).index_copy_(0, vocab_ids, qa)
+                    qa = qa.new_zeros(self.ctx.info.vocab_size).index_copy_(0, vocab_ids, qa)
                 self.probs[r, len(self.rounds[r].tokens) - 1] = qa.to(self.probs.dtype)
         return tokens, confident
 
 
-class DeferredEngine:
-    """AdaDecode's drafting and finishing pass for one ``SelfSpecProposer``."""
+class DeferredEngine(Drafter):
+    """AdaDecode's drafting and finishing pass: the drafter ``deferred`` (drafting.py)."""
 
-    def __init__(self, proposer) -> None:
-        self.proposer = proposer
-        policy = proposer.policy
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        policy = ctx.policy
         self.exits: tuple[int, ...] = policy.exit_layers
         self.threshold: float = policy.threshold
-        self.L = proposer.info.num_layers
+        self.L = ctx.info.num_layers
         #: request id -> its round, for the next target forward only
         self.pending: dict[str, PendingRound] = {}
         #: request id -> the exit layer of each early prediction of its last verified round
@@ -192,7 +192,7 @@ class DeferredEngine:
             temps = [float(t[i]) for i in rows]
         backend = _DraftBackend(self, runner, rows, rounds, pos0, max(gammas) + 1, temps, probs)
         draft_round(backend, rounds, gammas, self.exits)
-        st = self.proposer.stats
+        st = self.ctx.stats
         for j, (i, rnd) in enumerate(zip(rows, rounds)):
             drafts[i].extend(rnd.drafts)
             n = len(rnd.tokens)
@@ -206,20 +206,33 @@ class DeferredEngine:
             if rnd.drafts:
                 st.draft_rounds += 1
 
+    def verified(self, req_id, n_drafted, n_accepted, sampled, feedback) -> None:
+        st = self.ctx.stats
+        st.early_accepted.update(self.round_exits.pop(req_id, [])[:n_accepted])  # which heads
+        if req_id in self.decoding:
+            st.decode_tokens += len(sampled)
+
     # ---- the finishing pass (the target forward of the next step) ---------------------------
+    def target_forward(self, runner, input_ids, positions):
+        """``finish``, and a forward without resumed rows counted as a plain one."""
+        out = self.finish(runner, input_ids, positions)
+        if out is None:
+            self.count_plain(runner)
+        return out
+
     def finish(self, runner, input_ids: torch.Tensor | None, positions: torch.Tensor):
         """The target forward with pending rounds resumed at their depth; None when no row can
         resume (the caller then runs the model's own forward)."""
         pending, self.pending = self.pending, {}
         if not pending or input_ids is None:
-            self.proposer.stats.rounds_dropped += len(pending)
+            self.ctx.stats.rounds_dropped += len(pending)
             return None
         ib = runner.input_batch
         num_reqs = ib.num_reqs
         qsl = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
         N, real = input_ids.shape[0], int(qsl[-1])
-        layout = self.proposer.executor.layout
-        kv = self.proposer.kv_groups()
+        layout = self.ctx.executor.layout
+        kv = self.ctx.kv_groups()
         slot_all = torch.stack(kv.forward_slots())  # [groups, N]
         depth = np.zeros(N, dtype=np.int64)
         depth[real:] = self.L  # padding rows never run
@@ -236,7 +249,7 @@ class DeferredEngine:
                 continue
             depth[a:b] = rec.round.depth[:n]
             resumed.append((a, n, rec))
-        st = self.proposer.stats
+        st = self.ctx.stats
         st.rounds_resumed += len(resumed)
         st.rounds_dropped += len(pending) - len(resumed)
         if not resumed:
@@ -248,7 +261,7 @@ class DeferredEngine:
             h[a : a + m], res[a : a + m] = rec.h[:m], rec.res[:m]
         self._count(ib, qsl, depth)
         plan = LayerPlan.full(self.L)
-        exe = self.proposer.executor
+        exe = self.ctx.executor
         req_of_row = np.searchsorted(qsl, np.arange(real), side="right") - 1
         for start, stop, rows in finish_plan(depth.tolist(), self.L):
             if len(rows) == real:  # every row: the runner's own metadata is in the context
@@ -261,12 +274,10 @@ class DeferredEngine:
             reqs, counts = np.unique(req_of_row[rows], return_counts=True)
             seq = positions[torch.from_numpy(qsl[reqs + 1] - 1).to(positions.device)] + 1
             tables = kv.tables(ib, torch.from_numpy(reqs))
-            md, slot_map = self.proposer.rows_metadata(
+            md, slot_map = self.ctx.rows_metadata(
                 tables, counts.tolist(), seq, list(slot_all[:, idx]), positions[idx]
             )
-            with self.proposer._set_forward_context(
-                md, self.proposer.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
-            ):
+            with self.ctx.forward_context(md, len(rows), slot_map):
                 hh, rr = exe.run_layers(
                     plan, h[idx], None if start == 0 else res[idx], positions[idx], start, stop
                 )
@@ -275,7 +286,7 @@ class DeferredEngine:
 
     def _count(self, ib, qsl: np.ndarray, depth: np.ndarray) -> None:
         """Layer computations of the decode rows of this pass (prefill rows excluded)."""
-        st = self.proposer.stats
+        st = self.ctx.stats
         self.decoding = set()
         for i, req_id in enumerate(ib.req_ids[: ib.num_reqs]):
             if ib.num_computed_tokens_cpu[i] < ib.num_prompt_tokens[i]:
@@ -295,3 +306,6 @@ class DeferredEngine:
     def forget(self, req_id: str) -> None:
         self.pending.pop(req_id, None)
         self.round_exits.pop(req_id, None)
+
+    def describe(self) -> dict:
+        return {"layer_computations": layer_computations(self.ctx.stats, self.L)}

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from ..policies.feature import EXIT
+from .drafting import Drafter, RoundStart
 
 
 def feature_rows(
@@ -40,12 +40,12 @@ def feature_rows(
     return out
 
 
-class FeatureDrafter:
-    """The proposer's drafter for ``Policy.drafter == "feature"``."""
+class FeatureDrafter(Drafter):
+    """The drafter ``feature`` (drafting.py)."""
 
-    def __init__(self, proposer) -> None:
-        self.proposer = proposer
-        self.head = proposer.executor.heads[f"heads@{EXIT}"]
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.head = ctx.executor.heads[f"heads@{EXIT}"]
         #: the head is trained for offsets 1..max_offset; later drafts of a round reuse the last
         self.max_offset = self.head.max_offset
         self._inputs: tuple | None = None
@@ -59,21 +59,16 @@ class FeatureDrafter:
     def draft(self, runner, active, sampling_metadata, probs, drafts: list[list[int]]) -> None:
         """One draft round for the ``active`` requests ((batch row, decision, max drafts)):
         fills ``drafts`` and, for sampled requests, ``probs`` (the q each draft was drawn from)."""
-        p = self.proposer
+        ctx = self.ctx
         sampled, hidden, meta = self._inputs
         if hidden is None:
             raise RuntimeError("feature heads need the model's output at its logits rows")
-        ib = runner.input_batch
-        rows = [i for i, _, _ in active]
-        gammas = [g for _, _, g in active]
+        r = RoundStart.of(runner, active, sampling_metadata)
+        rows, gammas, rows_t, tok, temps = r.rows, r.gammas, r.rows_t, r.tok, r.temps
         where = feature_rows(sampled, None if meta is None else list(meta.num_draft_tokens))
         dev = hidden.device
         feature = hidden.index_select(0, torch.tensor([where[i] for i in rows], device=dev))
-        n = ib.num_tokens_no_spec[rows].astype(np.int64)
-        tok = torch.from_numpy(ib.token_ids_cpu[rows, n - 1].astype(np.int64))
-        temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        layout = p.executor.layout
+        layout = ctx.executor.layout
         alive = list(range(len(rows)))
         for step in range(max(gammas)):
             alive = [j for j in alive if gammas[j] > step]
@@ -84,14 +79,11 @@ class FeatureDrafter:
             offset = torch.full((len(alive),), min(step + 1, self.max_offset), device=dev)
             x = layout.embed(tok[J].to(dev))
             h = self.head.transform(x, feature[J.to(dev)], offset)
-            logits = p.executor.project(layout.norm(h)).float()
-            nxt = p.pick(logits, rows_t[J], temps, probs, J, step)
-            p.costs.add_draft(0.0, len(alive), time.perf_counter() - t0)
-            p.stats.draft_forwards += 1
+            logits = ctx.executor.project(layout.norm(h)).float()
+            nxt = ctx.pick(logits, rows_t[J], temps, probs, J, step)
+            ctx.costs.add_draft(0.0, len(alive), time.perf_counter() - t0)
+            ctx.stats.draft_forwards += 1
             for a, token in zip(alive, nxt.tolist()):
                 drafts[rows[a]].append(token)
             tok[J] = nxt.cpu()
-        for i in rows:
-            d = len(drafts[i])
-            p.stats.draft_length_hist[d] += 1
-            p.stats.draft_rounds += bool(d)
+        ctx.count_rounds(drafts, rows)

@@ -1,8 +1,9 @@
 """KnapSpec's search on the real model: the DP's sub-layers over the target's own paged KV cache,
 and the start-up latency model (the algorithm is ``policies/knapsack.py``).
 
-``KnapsackForward(proposer, block_table_rows)`` serves one request's optimisation (its block-table
-row in each KV-cache group, ``kv_groups.KVGroups``):
+``KnapsackForward(ctx, block_table_rows)`` serves one request's optimisation (``ctx``: the
+engine's ``drafting.DraftContext``; its block-table row in each KV-cache group,
+``kv_groups.KVGroups``):
 
 * ``sublayer(s, states[B, r, d], positions[r])``: the residual stream after sub-layer ``s`` of B
   candidate state sets of the request's r recent rows (consecutive positions). MLP sub-layers are
@@ -21,7 +22,7 @@ row in each KV-cache group, ``kv_groups.KVGroups``):
   draft vocabulary, batched through the fused LM-head argmax like shadow tokens);
   ``predict_target`` the target's (full vocabulary).
 
-``latency_model(proposer)``: t_MLP, t_Attn(n) = c2·n + c3 and the LM head's time of one row, from
+``latency_model(ctx)``: t_MLP, t_Attn(n) = c2·n + c3 and the LM head's time of one row, from
 timing every layer's sub-layers at a few context lengths (reading any KV blocks: nothing is
 written) and the LM heads; about a second on the CPU, cached per model/device/dtype/TP size/draft
 vocabulary under
@@ -53,9 +54,9 @@ LATENCY_REPEATS = 7
 
 
 class KnapsackForward:
-    def __init__(self, proposer, block_table_rows: list[torch.Tensor]) -> None:
-        self.p = proposer
-        self.layout = proposer.executor.layout
+    def __init__(self, ctx, block_table_rows: list[torch.Tensor]) -> None:
+        self.ctx = ctx
+        self.layout = ctx.executor.layout
         self.rows = block_table_rows
         self._md: dict[tuple, dict] = {}  # (B, first, r) -> attention metadata per layer name
 
@@ -70,9 +71,7 @@ class KnapsackForward:
         if positions.numel() != r or int(positions[-1]) != first + r - 1:
             raise ValueError("knapsack rows must sit at consecutive positions")
         md, pos = self._metadata(B, first, r, x.device)
-        with self.p._set_forward_context(
-            md, self.p.vllm_config, num_tokens=B * r, slot_mapping={}
-        ):  # no layer: no KV write
+        with self.ctx.forward_context(md, B * r, {}):  # no layer: no KV write
             h = lay.attn(layer, pos, lay.attn_norm(layer)(x))
         return (x + h).view(B, r, d)
 
@@ -80,14 +79,14 @@ class KnapsackForward:
         key = (B, first, r)
         if key not in self._md:
             self._md[key] = (
-                read_only_metadata(self.p, self.rows, B, first, r),
+                read_only_metadata(self.ctx, self.rows, B, first, r),
                 torch.arange(first, first + r, device=dev).repeat(B),
             )
         return self._md[key]
 
     def predict(self, states: torch.Tensor) -> torch.Tensor:
         """The draft's greedy tokens (its vocabulary: reduced when draft_vocab_size is set)."""
-        tokens, _ = self.p.shadow.project(states.unsqueeze(0), ["lm_head"])
+        tokens, _ = self.ctx.shadow.project(states.unsqueeze(0), ["lm_head"])
         return tokens[0]
 
     def predict_target(self, states: torch.Tensor) -> torch.Tensor:
@@ -96,7 +95,7 @@ class KnapsackForward:
         return lay.compute_logits(lay.norm(states)).argmax(-1).cpu()
 
 
-def read_only_metadata(proposer, rows: list[torch.Tensor], B: int, first: int, r: int) -> dict:
+def read_only_metadata(ctx, rows: list[torch.Tensor], B: int, first: int, r: int) -> dict:
     """Attention metadata (every attention layer) for B copies of one request's r rows at
     positions first .. first+r-1, reading its KV cache up to there (``rows``: its block-table
     row in each KV-cache group) and writing nothing."""
@@ -104,7 +103,7 @@ def read_only_metadata(proposer, rows: list[torch.Tensor], B: int, first: int, r
     qsl = torch.arange(B + 1, dtype=torch.int32) * r
     seq = torch.full((B,), first + r, dtype=torch.int32)
     pos = torch.arange(first, first + r, device=dev).repeat(B)
-    cm = proposer._CommonAttentionMetadata(
+    cm = ctx.common_metadata(
         query_start_loc=qsl.to(dev),
         query_start_loc_cpu=qsl,
         seq_lens=seq.to(dev),
@@ -119,7 +118,7 @@ def read_only_metadata(proposer, rows: list[torch.Tensor], B: int, first: int, r
         positions=pos,
     )
     tables = [row.unsqueeze(0).expand(B, -1).contiguous() for row in rows]
-    return proposer.kv_groups().metadata(cm, tables, [cm.slot_mapping] * len(rows))[0]
+    return ctx.kv_groups().metadata(cm, tables, [cm.slot_mapping] * len(rows))[0]
 
 
 # ---- the latency model ------------------------------------------------------------------------
@@ -137,15 +136,15 @@ def _device_name(device: torch.device) -> str:
     return f"cpu {cpu} x{torch.get_num_threads()} threads"
 
 
-def _cache_path(proposer, device: torch.device) -> Path:
-    mc = proposer.vllm_config.model_config
-    vocab = proposer.executor.vocab_ids
+def _cache_path(ctx, device: torch.device) -> Path:
+    mc = ctx.vllm_config.model_config
+    vocab = ctx.executor.vocab_ids
     key = json.dumps(
         [
             os.path.realpath(str(mc.model)),
             _device_name(device),
             str(mc.dtype),
-            proposer._tp,
+            ctx.tp,
             compat.vllm_version(),
             None if vocab is None else int(vocab.numel()),
         ]
@@ -166,29 +165,27 @@ def _median_seconds(fn, sync) -> float:
     return statistics.median(times)
 
 
-def measure_latency(proposer, device: torch.device) -> LatencyModel:
+def measure_latency(ctx, device: torch.device) -> LatencyModel:
     """Time one row through every layer's attention at a few context lengths, every MLP and the
     LM head, per sub-layer (a pass over all layers, as a decode step streams them, so no layer's
     weights stay cache-hot). Every TP rank runs this together: the sub-layers all-reduce."""
-    lay = proposer.executor.layout
+    lay = ctx.executor.layout
     layers = lay.layers
-    block_size = min(g.block_size for g in proposer.kv_groups().groups)
-    max_len = proposer.max_model_len
+    block_size = min(g.block_size for g in ctx.kv_groups().groups)
+    max_len = ctx.max_model_len
     contexts = sorted({min(n, max_len) for n in LATENCY_CONTEXTS})
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dtype = proposer.vllm_config.model_config.dtype
+    dtype = ctx.vllm_config.model_config.dtype
     x = torch.randn(1, lay.norm.weight.shape[0], device=device, dtype=dtype)
     attn = []
     for n in contexts:
         # any blocks will do for timing: they are only read (block 0, vLLM's null block, too)
         row = torch.arange((n + block_size - 1) // block_size, dtype=torch.int32, device=device)
-        md = read_only_metadata(proposer, [row] * len(proposer.kv_groups().groups), 1, n - 1, 1)
+        md = read_only_metadata(ctx, [row] * len(ctx.kv_groups().groups), 1, n - 1, 1)
         pos = torch.tensor([n - 1], device=device)
 
         def run_attn():
-            with proposer._set_forward_context(
-                md, proposer.vllm_config, num_tokens=1, slot_mapping={}
-            ):
+            with ctx.forward_context(md, 1, {}):
                 for layer in layers:
                     lay.attn(layer, pos, lay.attn_norm(layer)(x))
 
@@ -200,7 +197,7 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
 
     t_mlp = _median_seconds(run_mlp, sync) / len(layers)
     t_target_head = _median_seconds(lambda: lay.compute_logits(lay.norm(x)), sync)
-    ex = proposer.executor
+    ex = ctx.executor
     t_head = (
         t_target_head
         if ex.vocab_ids is None
@@ -209,10 +206,10 @@ def measure_latency(proposer, device: torch.device) -> LatencyModel:
     return LatencyModel.fit(attn, t_mlp, t_head, t_target_head)
 
 
-def latency_model(proposer) -> LatencyModel:
+def latency_model(ctx) -> LatencyModel:
     """The cached latency model, or a fresh measurement; identical on every TP rank."""
-    device = proposer.runner.device
-    path = _cache_path(proposer, device)
+    device = ctx.runner.device
+    path = _cache_path(ctx, device)
     cached = None
     if compat.tp_rank() == 0 and path.is_file():
         try:
@@ -224,7 +221,7 @@ def latency_model(proposer) -> LatencyModel:
         return LatencyModel.from_dict(cached)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        lm = measure_latency(proposer, device)
+        lm = measure_latency(ctx, device)
     d = compat.broadcast_from_tp_rank0(lm.to_dict())
     logger.info("knapspec latency model measured in %.2f s: %s", time.perf_counter() - t0, d)
     if compat.tp_rank() == 0:

@@ -6,12 +6,15 @@ vLLM's rejection sampler accepted a prefix):
 1. feedback: per request, drafted/accepted counts and, if the policy asked, the residual stream of
    the verified tokens after chosen layers (bounded: ``capture_tokens`` rows per request);
 2. policy: per request, the next ``DraftDecision`` (plan, draft length, confidence floor);
-3. draft: (methods with a drafter of their own, ``DRAFTERS`` or AdaDecode's deferred rounds, draft
-   there) requests are grouped by plan; each group drafts one token per request per step through
-   the plan's sub-layers over the **target's own paged KV cache** (draft KV is written at
-   positions the next verification rewrites in every layer, so it never leaks into the output);
-   greedy requests draft the argmax, sampled ones draw from ``softmax(logits / T)`` and hand that
-   distribution to vLLM's rejection sampler, which keeps the target distribution.
+3. how much: per request, the free context-lookup draft or the policy's self-draft, and the goodput
+   controller's draft lengths for the whole batch;
+4. draft: the method's drafting strategy (``DRAFTERS``, drafting.py) drafts the self-drafting
+   requests, one forward per draft step for the whole batch; greedy requests draft the argmax,
+   sampled ones draw from ``softmax(logits / T)`` and hand that distribution to vLLM's rejection
+   sampler, which keeps the target distribution.
+
+This file is method-agnostic: what differs between methods is in their policy
+(``vllm_selfspec/policies/``) and their drafter (``DRAFTERS``).
 """
 
 from __future__ import annotations
@@ -39,17 +42,22 @@ from ..lookup import ContextIndex, SharedIndex
 from ..policies import DraftDecision, Feedback
 from ..vocab import load_vocab
 from .adadecode import DeferredEngine
+from .cascade import CascadeDrafter
+from .drafting import DraftContext, Drafter
 from .executor import PlanExecutor
 from .feature import FeatureDrafter
 from .knapsack_forward import KnapsackForward, latency_model
-from .kv_groups import KVGroups
+from .plan_drafter import PlanDrafter
 from .shadow import ShadowProjector
-from .stats import EngineStats, layer_computations
+from .stats import EngineStats
 
-#: drafters of methods that do not draft with a layer plan (``Policy.drafter``), by name
-DRAFTERS = {"feature": FeatureDrafter}
-#: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
-UNVERIFIED_REQUESTS_KEPT = 4096
+#: the drafting strategies, by the name a policy gives (``Policy.drafter``; drafting.py)
+DRAFTERS: dict[str, type[Drafter]] = {
+    "plan": PlanDrafter,
+    "cascade": CascadeDrafter,
+    "deferred": DeferredEngine,
+    "feature": FeatureDrafter,
+}
 logger = logging.getLogger(compat.LOGGER_NAME)
 
 
@@ -74,38 +82,6 @@ def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) ->
         return q[:n] * valid.to(q.dtype)
     point = like.new_zeros(n, like.shape[1])
     return point.scatter_(1, ids.clamp(min=0).long()[:, None], valid.to(like.dtype))
-
-
-class CascadeWalks:
-    """One Cascade draft round of a group of rows: before each draft step, how deep each row's
-    walk may go (the policy's ``walk_cap`` for the token's prefix acceptance probability, and no
-    deeper than the row's previous draft token: a deeper exit would attend to KV slots that token
-    never wrote); after it, which exit each row drafted from."""
-
-    def __init__(self, policy, states: list) -> None:
-        self.policy, self.states = policy, states
-        n = len(policy.cascade)
-        self.cap = [n - 1] * len(states)  # deepest exit the row's next token may use
-        self.prefix = [1.0] * len(states)  # P(the row's drafts so far are all accepted)
-        self.steps: list[list[tuple[int, int]]] = [[] for _ in states]
-
-    def caps(self, alive: list[int]) -> tuple[list[int], list[int]]:
-        """The rows that draft this step, and each one's walk cap (the others' rounds end)."""
-        keep, caps = [], []
-        for j in alive:
-            c = min(self.cap[j], self.policy.walk_cap(self.states[j], self.prefix[j]))
-            if c >= 0:
-                keep.append(j)
-                caps.append(c)
-        return keep, caps
-
-    def record(self, alive: list[int], caps: list[int], chosen: list[int], stats) -> None:
-        for j, c, e in zip(alive, caps, chosen):
-            self.steps[j].append((c, e))
-            stats.exit_drafted[self.policy.cascade[e].layer if e >= 0 else "none"] += 1
-            if e >= 0:
-                self.cap[j] = e
-                self.prefix[j] *= self.policy.acceptance(self.states[j], e)
 
 
 class SelfSpecProposer:
@@ -174,20 +150,12 @@ class SelfSpecProposer:
         self._last_start: float | None = None  # when the previous step's proposal began
         self.runner = None
         self.executor: PlanExecutor | None = None
-        #: AdaDecode's draft rounds and finishing pass (set in load_model)
-        self.deferred: DeferredEngine | None = None
-        #: the drafter of a method that drafts without a layer plan (``Policy.drafter``)
-        self.drafter: Any = None
-        self._kv: KVGroups | None = None  # built on first use (after vLLM's KV-cache init)
-        self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
+        #: what a drafter uses of the engine, and the method's drafter (set in load_model)
+        self.ctx: DraftContext | None = None
+        self.drafter: Drafter | None = None
         #: q of every request whose drafts await verification (None: greedy drafts); kept per
         #: request because a request may be verified steps later (token budget, preemption)
         self._pending_q: dict[str, torch.Tensor | None] = {}
-        #: Cascade: request id -> (walk cap, exit index or -1) per draft step of its last round
-        self._round_exits: dict[str, list[tuple[int, int]]] = {}
-        # identical on every TP rank, so sampled drafts (and so the partial forward) match
-        self._generator = torch.Generator()
-        self._generator.manual_seed(vllm_config.model_config.seed or 0)
 
     # ---- vLLM wiring ---------------------------------------------------------------------------
     def propose(self, *args, **kwargs):  # vLLM's custom_class API; our runner hook replaces it
@@ -212,10 +180,8 @@ class SelfSpecProposer:
             self._load_heads(target_model, heads_path)
         if self.config.draft_vocab_size is not None:
             self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
-        if self.policy.deferred:
-            self.deferred = DeferredEngine(self)
-        if self.policy.drafter is not None:
-            self.drafter = DRAFTERS[self.policy.drafter](self)
+        self.ctx = DraftContext(self, self.runner, self.executor, self.shadow)
+        self.drafter = DRAFTERS[self.policy.drafter](self.ctx)
 
     def _identity(self):
         """The target's identity (heads.identity) on TP rank 0 (None elsewhere): rank 0 holds
@@ -256,10 +222,9 @@ class SelfSpecProposer:
             self.shared_index.add(index.tokens[prompt_len:])
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
-        self._round_exits.pop(req_id, None)
         self._pending_q.pop(req_id, None)
-        if self.deferred is not None:
-            self.deferred.forget(req_id)
+        if self.drafter is not None:
+            self.drafter.forget(req_id)
 
     def forget_outputs(self) -> None:
         """Empty the shared lookup index (vllm_selfspec.forget_outputs)."""
@@ -310,8 +275,7 @@ class SelfSpecProposer:
         sample_hidden_states=None,
     ) -> list[list[int]]:
         ib = runner.input_batch
-        if self.drafter is not None:  # what it drafts from besides the tokens (feature heads)
-            self.drafter.step_inputs(sampled_token_ids, sample_hidden_states, spec_decode_metadata)
+        self.drafter.step_inputs(sampled_token_ids, sample_hidden_states, spec_decode_metadata)
         req_ids = ib.req_ids
         num_tokens = ib.num_tokens_no_spec
         scheduled = scheduler_output.scheduled_spec_decode_tokens
@@ -390,29 +354,13 @@ class SelfSpecProposer:
                 st.target_layers += L
                 st.drafted_tokens += n_drafted
                 st.accepted_tokens += n_accepted
-                if self.lossy:
-                    st.unverified_tokens += n_accepted
-                    st.unverified_by_request[req_id] = (
-                        st.unverified_by_request.pop(req_id, 0) + n_accepted
-                    )
-                    while len(st.unverified_by_request) > UNVERIFIED_REQUESTS_KEPT:
-                        del st.unverified_by_request[next(iter(st.unverified_by_request))]
-                round_steps = self._round_exits.pop(req_id, None)  # Cascade: (cap, exit)
-                if round_steps and n_drafted:
-                    st.exit_accepted.update(
-                        self.policy.cascade[e].layer for _, e in round_steps[:n_accepted]
-                    )
-                if self.deferred is not None:  # AdaDecode: the heads that predicted early
-                    st.early_accepted.update(self.deferred.round_exits.pop(req_id, [])[:n_accepted])
-                    if req_id in self.deferred.decoding:
-                        st.decode_tokens += len(sampled)
-                n = int(num_tokens[i])
-                # the policy hears of its own drafts only (a lookup round is a plain step to it)
-                fb = Feedback(n_drafted, n_accepted, n) if matches is None else Feedback(0, 0, n)
+                # the policy and its drafter hear of their own drafts only (a lookup round is a
+                # plain step to them)
+                own = (n_drafted, n_accepted) if matches is None else (0, 0)
+                fb = Feedback(*own, int(num_tokens[i]))
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
-                if round_steps and n_drafted:
-                    fb.cascade_steps = round_steps
+                self.drafter.verified(req_id, *own, sampled, fb)
                 self.policy.observe(state, fb)
                 if search_due and self.policy.wants_optimise(state):
                     due.append((i, state))
@@ -568,10 +516,10 @@ class SelfSpecProposer:
     def _optimise(self, runner, due) -> None:
         """Searching policies (KnapSpec): run their search on the live model, per request."""
         if self.policy.needs_latency and self.policy.latency is None:
-            self.policy.latency = latency_model(self)
-        tables = self.kv_groups().tables(runner.input_batch)
+            self.policy.latency = latency_model(self.ctx)
+        tables = self.ctx.kv_groups().tables(runner.input_batch)
         for i, state in due:
-            self.policy.optimise(state, KnapsackForward(self, [t[i] for t in tables]))
+            self.policy.optimise(state, KnapsackForward(self.ctx, [t[i] for t in tables]))
             self.stats.optimisations += 1
 
     # ---- feedback: hidden states of the verified tokens ---------------------------------------
@@ -615,189 +563,12 @@ class SelfSpecProposer:
             probs = torch.zeros(
                 len(active), self.k, self.info.vocab_size, dtype=torch.float32, device=runner.device
             )
-        engine = self.deferred or self.drafter
-        if engine is not None:
-            engine.draft(runner, active, sampling_metadata, probs, drafts)
-        else:
-            self._draft_plan(runner, active, sampling_metadata, probs, drafts)
+        self.drafter.draft(runner, active, sampling_metadata, probs, drafts)
         for j, (i, _, _) in enumerate(active):
             if drafts[i]:
                 self._pending_q[ib.req_ids[i]] = (
                     None if probs is None else probs[j, : len(drafts[i])]
                 )
-
-    def _draft_plan(self, runner, items, sampling_metadata, probs, drafts) -> None:
-        """Draft rounds of ``items`` (batch row, decision, length): one forward per draft step
-        for all of them, whatever their plans; rows leave as their rounds end."""
-        ib = runner.input_batch
-        dev = runner.device
-        rows = [i for i, _, _ in items]
-        gammas = [g for _, _, g in items]
-        floors = [d.min_confidence for _, d, _ in items]
-        need_conf = any(f is not None for f in floors)
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        n = torch.from_numpy(ib.num_tokens_no_spec[rows].astype(np.int64))
-        pos0 = n - 1  # position of the token just sampled
-        tok = torch.from_numpy(ib.token_ids_cpu[rows, pos0.numpy()].astype(np.int64))
-        tables = self.kv_groups().tables(ib)
-        temps = None if sampling_metadata.all_greedy else sampling_metadata.temperature
-        plans = [d.plan for _, d, _ in items]
-        cascade = items[0][1].cascade  # Cascade's decisions share it (one static plan)
-        walks = (
-            CascadeWalks(self.policy, [self.states[ib.req_ids[r]] for r in rows])
-            if cascade is not None
-            else None
-        )
-        alive = list(range(len(rows)))
-        for step in range(max(gammas)):
-            alive = [j for j in alive if gammas[j] > step]
-            if walks is not None:
-                alive, caps = walks.caps(alive)
-            if not alive:
-                break
-            J = torch.tensor(alive, dtype=torch.long)
-            pos = (pos0[J] + step).to(dev)
-            step_plans = [plans[j] for j in alive]
-            t0 = time.perf_counter()
-            step_tables = [t[rows_t[J].to(t.device)] for t in tables]
-            if cascade is None and len(set(step_plans)) > 1:
-                logits = self._run_mixed(step_plans, step_tables, tok[J].to(dev), pos, step)
-                depth = max(p.layer_cost for p in step_plans)
-            else:
-                plan = step_plans[0]
-                md, slot_map = self._attn_metadata(step_tables, pos, step)
-                with self._set_forward_context(
-                    md, self.vllm_config, num_tokens=len(alive), slot_mapping=slot_map
-                ):
-                    if cascade is None:
-                        h, res = self.executor.run(plan, tok[J].to(dev), pos)
-                        depth = plan.layer_cost
-                    else:
-                        logits, chosen, depth = self.executor.run_cascade(
-                            plan, cascade, tok[J].to(dev), pos, torch.tensor(caps)
-                        )
-                if cascade is None:
-                    logits = self.executor.logits(plan, h, res)
-            self.costs.add_draft(depth, len(alive), time.perf_counter() - t0)
-            self.stats.draft_forwards += 1
-            self.stats.draft_layers += (
-                depth * len(alive) if cascade is not None else sum(p.layer_cost for p in step_plans)
-            )
-            if walks is not None:
-                chosen = chosen.tolist()
-                walks.record(alive, caps, chosen, self.stats)
-                if logits is None:  # no row found a confident exit: every round ends
-                    break
-            logits = logits.float()
-            nxt = self.pick(logits, rows_t[J], temps, probs, J, step)
-            keep = None
-            if need_conf:
-                conf = torch.softmax(logits, -1).amax(-1).tolist()
-                keep = [floors[j] is None or c >= floors[j] for j, c in zip(alive, conf)]
-            if cascade is not None:
-                keep = [c >= 0 for c in chosen]
-            nxt_list = nxt.tolist()
-            for a, j in enumerate(alive):
-                if keep is None or keep[a]:
-                    drafts[rows[j]].append(nxt_list[a])
-            if keep is not None:
-                alive = [j for a, j in enumerate(alive) if keep[a]]
-            tok[J] = nxt.cpu()
-        if walks is not None:
-            self._round_exits.update(
-                (ib.req_ids[rows[j]], steps) for j, steps in enumerate(walks.steps) if steps
-            )
-        for r, plan in zip(rows, plans):
-            d = len(drafts[r])
-            self.stats.draft_length_hist[d] += 1
-            if d:
-                self.stats.draft_rounds += 1
-                self.stats.plan_hist[plan.describe()] += 1
-                self.stats.plans[plan] += 1
-                self.stats.skipped_attn += plan.num_layers - sum(plan.attn)
-                self.stats.skipped_mlp += plan.num_layers - sum(plan.mlp)
-
-    def pick(self, logits, batch_rows, temps, probs, J, step: int) -> torch.Tensor:
-        """Draft tokens from one draft step's ``logits`` [n, draft vocabulary] (float32) of the
-        batch rows ``batch_rows``: the argmax for greedy rows; for sampled ones a draw from
-        ``softmax(logits / T)``, whose distribution (over the full vocabulary) goes to
-        ``probs[J, step]`` for the rejection sampler. Token ids, on the logits' device."""
-        vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
-        nxt = logits.argmax(dim=-1)
-        if temps is not None:
-            t = temps[batch_rows.to(temps.device)].to(logits.device)
-            sampled_rows = t > 0
-            if bool(sampled_rows.any()):
-                q = torch.softmax(logits / torch.where(sampled_rows, t, 1.0)[:, None], -1)
-                draw = torch.multinomial(q.cpu(), 1, generator=self._generator).squeeze(1)
-                nxt = torch.where(sampled_rows, draw.to(nxt.device), nxt)
-                if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
-                    q = q.new_zeros(len(logits), self.info.vocab_size).index_copy_(1, vocab_ids, q)
-                probs[J.to(probs.device), step] = q.to(probs.dtype)
-        return nxt if vocab_ids is None else vocab_ids[nxt]
-
-    def _run_mixed(self, plans, tables, tokens, pos, step: int):
-        """``PlanExecutor.run_mixed`` with attention metadata per row subset (built once each)."""
-        built: dict[tuple[int, ...], tuple] = {}
-
-        def context(rows: list[int]):
-            key = tuple(rows)
-            if key not in built:
-                idx = torch.tensor(rows, device=pos.device)
-                built[key] = self._attn_metadata([t[idx] for t in tables], pos[idx], step)
-            md, slot_map = built[key]
-            return self._set_forward_context(
-                md, self.vllm_config, num_tokens=len(rows), slot_mapping=slot_map
-            )
-
-        return torch.stack(self.executor.run_mixed(plans, tokens, pos, context))
-
-    def _attn_metadata(self, tables: list[torch.Tensor], pos: torch.Tensor, step: int):
-        """Attention metadata (one query per request at ``pos``) for every attention layer."""
-        slots = self.kv_groups().slots(tables, pos)
-        return self.rows_metadata(
-            tables, [1] * pos.shape[0], pos.cpu() + 1, slots, pos, draft_index=step
-        )
-
-    def rows_metadata(
-        self,
-        tables: list[torch.Tensor],
-        q_lens: list[int],
-        seq_lens: torch.Tensor,
-        slots: list[torch.Tensor],
-        positions: torch.Tensor,
-        draft_index: int = 0,
-    ):
-        """Attention metadata for rows grouped by request (``q_lens`` consecutive rows each, the
-        last at position ``seq_lens - 1``), for every attention layer, and its slot-mapping
-        dict; ``tables`` and ``slots``: one per KV-cache group (``kv_groups.KVGroups``)."""
-        dev = positions.device
-        qsl_cpu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        qsl_cpu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
-        seq_cpu = seq_lens.to(torch.int32).cpu()
-        cm = self._CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=seq_cpu.to(dev),
-            seq_lens_cpu_upper_bound=seq_cpu,
-            num_reqs=len(q_lens),
-            num_actual_tokens=int(qsl_cpu[-1]),
-            max_query_len=max(q_lens),
-            max_seq_len=int(seq_cpu.max()),
-            block_table_tensor=tables[0],
-            slot_mapping=slots[0],
-            causal=True,
-            positions=positions,
-        )
-        return self.kv_groups().metadata(cm, tables, slots, draft_index=draft_index)
-
-    def kv_groups(self) -> KVGroups:
-        """The target's KV-cache groups with the drafter's own metadata builders (built once)."""
-        if self._kv is None:
-            self._kv = KVGroups(
-                self.runner, self.vllm_config, self.executor.layout.attn_layer_names
-            )
-        return self._kv
 
     def stats_dict(self) -> dict[str, Any]:
         d = self.stats.as_dict()
@@ -817,6 +588,5 @@ class SelfSpecProposer:
             d["controller"] = self.controller.state()
         d["draft_vocab_size"] = self.config.draft_vocab_size
         d["live_requests"] = len(self.states)
-        if self.deferred is not None:
-            d["layer_computations"] = layer_computations(self.stats, self.info.num_layers)
+        d.update(self.drafter.describe())
         return d

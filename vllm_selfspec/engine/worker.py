@@ -79,14 +79,13 @@ class SelfSpecRunnerMixin:
         inputs_embeds=None,
         **model_kwargs,
     ):
-        drafter = self._selfspec()
-        deferred = drafter.deferred if drafter is not None else None
-        if deferred is not None and inputs_embeds is None and not model_kwargs:
-            # AdaDecode: the last round's tokens resume at the depth their draft reached
-            out = deferred.finish(self, input_ids, positions)
+        proposer = self._selfspec()
+        if proposer is not None and inputs_embeds is None and not model_kwargs:
+            # a drafter may run the target forward itself (AdaDecode: the last round's tokens
+            # resume at the depth their draft reached); None: the model's own forward
+            out = proposer.drafter.target_forward(self, input_ids, positions)
             if out is not None:
                 return out
-            deferred.count_plain(self)
         return super()._model_forward(
             input_ids=input_ids,
             positions=positions,

@@ -43,6 +43,7 @@ class AdaDecodePolicy(Policy):
     #: the engine drafts with the deferred-layer schedule and resumes the rows in the next target
     #: forward (engine/adadecode.py) instead of drafting with a layer plan
     deferred = True
+    drafter = "deferred"
     head_kind = "adadecode"
 
     @staticmethod

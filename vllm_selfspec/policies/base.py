@@ -132,12 +132,12 @@ class Policy(ABC):
     latency: Any = None
     #: draft_vocab_size "auto" for this method (None: config.AUTO_DRAFT_VOCAB_SIZE)
     auto_draft_vocab_size: int | None = None
-    #: AdaDecode: the engine drafts with the deferred-layer schedule (vllm_selfspec/deferred.py)
-    #: and the next target forward resumes the round's tokens at their depth
+    #: the next target forward resumes the last round's tokens at the depth their draft reached
+    #: (AdaDecode's deferred layers): the target forward runs layer by layer
     deferred: bool = False
-    #: the engine's drafter for methods that do not draft with a layer plan, by name
-    #: (``engine.proposer.DRAFTERS``; None: the plan executor, or ``deferred``)
-    drafter: str | None = None
+    #: the engine's drafting strategy, by name (``engine.proposer.DRAFTERS``, engine/drafting.py):
+    #: "plan" drafts through the layer plan of each ``DraftDecision``
+    drafter: str = "plan"
 
     @classmethod
     def validate(

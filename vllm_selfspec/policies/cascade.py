@@ -111,6 +111,8 @@ class CascadePolicy(Policy):
     # the reduced draft vocabulary when the model has a map, as DEL and KnapSpec
     common_defaults = {"num_speculative_tokens": 6, "draft_vocab_size": "auto"}
     head_kind = "cascade"
+    #: each draft token walks the exits (engine/cascade.py)
+    drafter = "cascade"
 
     @staticmethod
     def exits(config: dict[str, Any], heads: dict[str, Any] | None) -> tuple[CascadeExit, ...]:
