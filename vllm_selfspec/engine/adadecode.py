@@ -192,7 +192,6 @@ class DeferredEngine(Drafter):
             temps = [float(t[i]) for i in rows]
         backend = _DraftBackend(self, runner, rows, rounds, pos0, max(gammas) + 1, temps, probs)
         draft_round(backend, rounds, gammas, self.exits)
-        st = self.ctx.stats
         for j, (i, rnd) in enumerate(zip(rows, rounds)):
             drafts[i].extend(rnd.drafts)
             n = len(rnd.tokens)
@@ -202,9 +201,7 @@ class DeferredEngine(Drafter):
                 rnd, int(pos0[j]), backend.slots[:, flat].cpu(), backend.h[flat], backend.res[flat]
             )
             self.round_exits[req_id] = list(rnd.exits)
-            st.draft_length_hist[len(rnd.drafts)] += 1
-            if rnd.drafts:
-                st.draft_rounds += 1
+        self.ctx.count_rounds(drafts, rows)
 
     def verified(self, req_id, n_drafted, n_accepted, sampled, feedback) -> None:
         st = self.ctx.stats
