@@ -597,15 +597,17 @@ class SearchBudget:
     credit saved up over an idle hour. 2%: a method must stay within 3% of plain decoding when
     its drafts do not pay, and the speculative path's own per-step work already takes part of that
     (docs/benchmarks.md, "Goodput"). Example: at 40 ms a step and 0.6 s a search, a 2% budget
-    allows one search in about 735 steps once the sums are settled."""
+    allows one search in about 735 steps once the sums are settled. ``allows(share)`` asks
+    against another share (the controller's ``feedback_share``: less while no self-draft is
+    chosen)."""
 
     share: float = 0.02
     DECAY = 0.999
     spent: float = 0.0  # decayed seconds of searches
     elapsed: float = 0.0  # decayed seconds of steps and searches
 
-    def allows(self) -> bool:
-        return self.spent <= self.share * self.elapsed
+    def allows(self, share: float | None = None) -> bool:
+        return self.spent <= (self.share if share is None else share) * self.elapsed
 
     def tick(self, seconds: float) -> None:
         """One engine step of ``seconds`` (searches in it included) passed."""
@@ -638,6 +640,7 @@ class GoodputController:
     _since_skipped_probe: int = 1 << 30  # steps since a probe was skipped as hopeless
     _free_interval: int = 0  # the same for lookup drafts
     _free_idle: int = 0  # steps since a lookup draft was chosen or probed
+    _chosen_idle: int = 1 << 30  # steps since self-drafts were chosen (not probed)
     _pending: Choice | None = None
     _plain_pending: bool = False  # the last choice drafted nothing: its cycle measures plain
 
@@ -673,6 +676,19 @@ class GoodputController:
     #: steps around a self-draft (after one, before a probe) in which feedback for self-drafting
     #: (DEL's shadow tokens) is worth its cost
     FEEDBACK_STEPS = 8
+    #: while no self-draft has been chosen for ``FEEDBACK_STEPS`` (only probes run), costly
+    #: feedback takes at most this share of the time (``feedback_share``), what the probes it
+    #: prepares may take: at the search budget's 2%, DEL's shadow projections alone cost 2% of
+    #: every step at batch 16 here while it drafted 4 tokens in a run (docs/benchmarks.md)
+    IDLE_FEEDBACK_SHARE = PROBE_TIME_SHARE
+
+    def feedback_share(self, share: float) -> float:
+        """The share of the time that costly feedback for self-drafting (a ``SearchBudget`` of
+        ``share``) may take now: ``share`` around self-drafts the controller chose, at most
+        ``IDLE_FEEDBACK_SHARE`` while only probes run."""
+        if self._chosen_idle < self.FEEDBACK_STEPS:
+            return share
+        return min(share, self.IDLE_FEEDBACK_SHARE)
 
     def self_feedback_due(self, search: bool = False) -> bool:
         """Whether a policy's costly feedback for self-drafting (DEL's shadow projections) is
@@ -774,6 +790,10 @@ class GoodputController:
                 self.skipped_probes += 1
         elif best.kind == "paid" and not best.probe:
             self._probe_interval = self.probe_every
+        if best.kind == "paid" and not best.probe:
+            self._chosen_idle = 0
+        else:
+            self._chosen_idle += 1
         # lookup drafts likewise: an estimate that fell below the bar gets new evidence
         if chosen_free:
             self._free_idle, self._free_interval = 0, self.probe_every

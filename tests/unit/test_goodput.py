@@ -479,6 +479,32 @@ def test_no_probe_of_a_plan_that_could_not_pay_at_any_acceptance():
     assert sum(due[-600:]) < 0.2 * 600
 
 
+@pytest.mark.parametrize("p, most", [(0.05, 0.006), (0.9, 0.021)])
+def test_feedback_takes_less_time_while_only_probes_run(p, most):
+    """The proposer's loop for DEL's shadow projections (``DraftProposer._feedback_due``): due
+    and within the shadow budget's share, which the controller lowers to IDLE_FEEDBACK_SHARE
+    while it chooses no self-draft. Shadows dear enough for the budget to bind (a fifth of a
+    step): with drafts that never pay they take ~0.5% of the time, not the budget's 2% (the
+    figure of DEL at batch 16 here); with drafts the controller chooses, the whole 2%."""
+    costs = measured()
+    ctl = GoodputController(costs)
+    budget = SearchBudget()
+    step, shadow = costs.target_seconds(1), 0.2 * costs.target_seconds(1)
+    spent = total = 0.0
+    drafted = 0
+    for _ in range(3000):
+        seconds = step
+        if ctl.self_feedback_due() and budget.allows(ctl.feedback_share(budget.share)):
+            budget.spend(shadow)
+            spent += shadow
+            seconds += shadow
+        budget.tick(seconds)
+        total += seconds
+        drafted += any(ctl.choose([cand(p, 4, costs)]).tokens)
+    assert (drafted > 2000) == (p > 0.5)
+    assert 0.5 * most < spent / total <= most
+
+
 def test_steps_with_one_time_costs_are_not_cost_samples():
     """A shape's first step, and a draft step dearer than a target forward of as many tokens,
     carry one-time costs (first metadata builds, new oneDNN primitives, an exit head's weights

@@ -439,11 +439,16 @@ class SelfSpecProposer:
     def _feedback_due(self) -> tuple[bool, bool]:
         """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
         and shadow projections, a plan search). Without the controller always; with it, around
-        self-drafts and before probes (``GoodputController.self_feedback_due``), a search also
-        within their time budgets. Under TP rank 0's answer (a search runs collectives)."""
+        self-drafts and before probes (``GoodputController.self_feedback_due``), within their
+        time budgets (the shadows' smaller while only probes run:
+        ``GoodputController.feedback_share``). Under TP rank 0's answer (a search runs
+        collectives)."""
         if self.controller is None:
             return True, True
-        feedback = self.controller.self_feedback_due() and self.shadow_budget.allows()
+        budget = self.shadow_budget
+        feedback = self.controller.self_feedback_due() and budget.allows(
+            self.controller.feedback_share(budget.share)
+        )
         search = self.controller.self_feedback_due(search=True) and self.search_budget.allows()
         if self._tp > 1:
             feedback, search = compat.broadcast_from_tp_rank0((feedback, search))
