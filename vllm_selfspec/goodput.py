@@ -788,9 +788,8 @@ class GoodputController:
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
                 self._since_skipped_probe = 0
                 self.skipped_probes += 1
-        elif best.kind == "paid" and not best.probe:
+        if best.kind == "paid" and not best.probe:  # self-drafts chosen (not a probe)
             self._probe_interval = self.probe_every
-        if best.kind == "paid" and not best.probe:
             self._chosen_idle = 0
         else:
             self._chosen_idle += 1

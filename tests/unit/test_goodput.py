@@ -481,7 +481,7 @@ def test_no_probe_of_a_plan_that_could_not_pay_at_any_acceptance():
 
 @pytest.mark.parametrize("p, most", [(0.05, 0.006), (0.9, 0.021)])
 def test_feedback_takes_less_time_while_only_probes_run(p, most):
-    """The proposer's loop for DEL's shadow projections (``DraftProposer._feedback_due``): due
+    """The proposer's loop for DEL's shadow projections (``SelfSpecProposer._feedback_due``): due
     and within the shadow budget's share, which the controller lowers to IDLE_FEEDBACK_SHARE
     while it chooses no self-draft. Shadows dear enough for the budget to bind (a fifth of a
     step): with drafts that never pay they take ~0.5% of the time, not the budget's 2% (the
