@@ -13,6 +13,7 @@ import pytest
 import vllm_selfspec
 from selfspec_testing import engine, greedy_one_by_one_and_together
 from vllm_selfspec.config import auto_method
+from vllm_selfspec.goodput import AcceptanceTracker
 
 pytestmark = pytest.mark.engine
 
@@ -52,7 +53,15 @@ def _check_parity(vanilla, out, name):
             assert got == want, f"{name} {bs} prompt {i}: tokens differ from vanilla vLLM"
 
 
-def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
+def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla, monkeypatch):
+    # each request's acceptance rates (its self-drafts', its lookup drafts') are made once and
+    # kept: a policy without per-request state (feature, layerskip: None) once had them made
+    # afresh every step, so the controller only ever saw batch-wide rates
+    rates = []
+    new_state = AcceptanceTracker.new_state
+    monkeypatch.setattr(
+        AcceptanceTracker, "new_state", lambda self: rates.append(1) or new_state(self)
+    )
     with engine(model_path, speculative_config={"method": "auto"}, **SETTINGS) as llm:
         # the drafts ride with each step's output (plugin.py, patches 5 and 6): vLLM's
         # take_draft_token_ids RPC, one round trip to the worker per step, is never sent
@@ -63,6 +72,8 @@ def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla):
         out = _run(llm)
         stats = vllm_selfspec.get_stats(llm)
     _check_parity(vanilla, out, "auto")
+    requests = 2 * len(PROMPTS)  # one by one, then together
+    assert 0 < len(rates) <= 2 * requests, f"{len(rates)} rate states for {requests} requests"
     assert not rpcs, f"{len(rpcs)} take_draft_token_ids RPCs"
     # the self-drafter auto chose for this model: LayerSkip unless trained heads are cached
     assert stats["policy"]["method"] == auto_method(model_path)[0]

@@ -298,12 +298,11 @@ class SelfSpecProposer:
         for i, req_id in enumerate(req_ids):
             if not sampled_token_ids[i]:  # a prefill chunk that sampled nothing, or discarded
                 continue
-            state = self.states.get(req_id)
-            if state is None:
-                state = self.states[req_id] = self.policy.new_state()
+            if req_id not in self.states:  # a new request (a policy's state may be None)
+                self.states[req_id] = self.policy.new_state()
                 self._rates[req_id] = self.acceptance.new_state()
                 self._lookup_rates[req_id] = self.lookup_acceptance.new_state()
-            entries.append((i, req_id, state))
+            entries.append((i, req_id, self.states[req_id]))
 
         # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
         # not while the controller runs no self-drafts, only around them and before a probe
