@@ -181,6 +181,7 @@ class StepCostModel:
         self.draft = OnlineFit(3)
         self._frozen: tuple | None = None
         self._line: tuple[float, float, float, float] | None = None  # solved once per sample
+        self._plain_coef: tuple[float, float, float] | None = None  # once per plain sample
         #: shapes measured once already (a target forward's requests and tokens, a draft step's
         #: rows): the first step of each shape is not a sample (see ``_first_of_shape``)
         self._seen: set[tuple] = set()
@@ -211,6 +212,7 @@ class StepCostModel:
             if plain is not None:
                 self.drift += (1.0 - self.DRIFT_DECAY) * (seconds - plain - self.drift)
             self.plain.add((1.0, requests), seconds)
+            self._plain_coef = None
             if recent is not None:
                 self._recent[requests] = recent + (1.0 - self.DRIFT_DECAY) * (seconds - recent)
             elif len(self._recent) < 4096:  # bounded: one entry per batch size
@@ -265,9 +267,12 @@ class StepCostModel:
 
     def _plain_fit(self) -> tuple[float, float, float] | None:
         """(v0, v_row, seconds per token of a plain step) of the plain plane; None before data."""
+        if self._plain_coef is None and self.plain.count > 0:
+            self._plain_coef = self._solve_plain_fit()
+        return self._plain_coef
+
+    def _solve_plain_fit(self) -> tuple[float, float, float]:
         f = self.plain
-        if f.count <= 0:
-            return None
         mean_r, mean_y = float(f.xtx[0, 1] / f.count), float(f.xty[0] / f.count)
         per_token = mean_y / mean_r
         prior = self.PRIOR_SLOPE_SHARE * per_token
@@ -379,6 +384,10 @@ class StepCostModel:
 class _Rates:
     tried: np.ndarray
     accepted: np.ndarray
+    #: ``AcceptanceTracker.conditional`` of these rates, as of the tracker's observation
+    #: ``version`` (a step without verified drafts reads every request's again unchanged)
+    cond: np.ndarray | None = None
+    version: int = -1
 
 
 class AcceptanceTracker:
@@ -393,6 +402,7 @@ class AcceptanceTracker:
         self.k, self.decay, self.weight, self.prior = slots, decay, weight, prior
         self.all = _Rates(np.zeros(slots), np.zeros(slots))
         self._batch: np.ndarray | None = None  # the batch-wide rates, once per observation
+        self._version = 0  # observations so far (every request's rates move with the batch's)
 
     def new_state(self) -> _Rates:
         return _Rates(np.zeros(self.k), np.zeros(self.k))
@@ -410,14 +420,21 @@ class AcceptanceTracker:
             np.add.at(r.tried, slots[:reached], 1.0)
             np.add.at(r.accepted, slots[:accepted], 1.0)
         self._batch = None
+        self._version += 1
 
     def conditional(self, state: _Rates) -> np.ndarray:
-        """P(accepted | the drafts before it accepted) per slot."""
+        """P(accepted | the drafts before it accepted) per slot (read-only: shared until the
+        next observation)."""
+        if state.version == self._version:
+            return state.cond
         w = self.weight
         if self._batch is None:  # read by every request of a step: solved once per observation
             overall = (self.all.accepted.sum() + w * self.prior) / (self.all.tried.sum() + w)
             self._batch = (self.all.accepted + w * overall) / (self.all.tried + w)
-        return (state.accepted + w * self._batch) / (state.tried + w)
+        state.cond = (state.accepted + w * self._batch) / (state.tried + w)
+        state.cond.setflags(write=False)
+        state.version = self._version
+        return state.cond
 
     def cumulative(self, state: _Rates, n: int, slots=None) -> np.ndarray:
         """P(drafts 1..j all accepted) for j = 1..n, draft j in ``slots[j]`` (default j)."""

@@ -68,12 +68,17 @@ class NGramTable:
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
         self.follow: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        #: n-gram -> its follower that ``next`` proposes, kept until the n-gram's counts change
+        #: (a frequent token's followers are many: finding the best each time was most of a
+        #: draft's cost)
+        self._best: dict[tuple[int, ...], int] = {}
 
     def _count(self, tokens: Sequence[int], end: int, delta: int) -> None:
         """Count ``tokens[end]`` as the follower of every n-gram ending just before it."""
         t = tokens[end]
         for n in range(self.min_n, min(self.max_n, end) + 1):
             key = tuple(tokens[end - n : end])
+            self._best.pop(key, None)
             seen = self.follow.setdefault(key, {})
             entry = seen.get(t)
             if entry is None:
@@ -90,9 +95,14 @@ class NGramTable:
     def next(self, context: Sequence[int]) -> tuple[int, int] | None:
         """(token, match length) from the longest n-gram ending the context that was seen."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            seen = self.follow.get(tuple(context[-n:]))
+            key = tuple(context[-n:])
+            token = self._best.get(key)
+            if token is not None:
+                return token, n
+            seen = self.follow.get(key)
             if seen:
                 token = max(seen, key=lambda t: seen[t])  # count, then the latest position
+                self._best[key] = token
                 return token, n
         return None
 

@@ -165,6 +165,19 @@ def test_new_requests_start_from_the_batch_wide_rate():
     assert t2.conditional(t2.new_state())[0] < 0.1
 
 
+def test_rates_read_between_observations_follow_every_observation():
+    """A request's rates are kept between observations (a step without drafts reads them all
+    again): an observation of the request, or of another one (the batch-wide prior), moves them."""
+    t = AcceptanceTracker(4)
+    s, other = t.new_state(), t.new_state()
+    first = t.cumulative(s, 2).copy()
+    t.observe(s, drafted=2, accepted=2)
+    mine = t.cumulative(s, 2).copy()
+    assert (mine > first).all()
+    t.observe(other, drafted=2, accepted=0)
+    assert t.cumulative(s, 2)[0] < mine[0]
+
+
 def cand(p, n, costs, layers=8):
     c = costs.draft_coefficients()
     return Candidate(n, np.cumprod([p] * n), float(c[2] * layers), float(c[0] + c[1] * layers))

@@ -38,6 +38,19 @@ def test_next_matches_brute_force_on_random_sequences(seed):
     assert index.next(tokens) == brute_next(tokens, tokens, max_n, min_n)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_lookups_between_updates_see_every_update(seed):
+    """``next`` keeps each n-gram's proposed follower until that n-gram's counts change: a
+    lookup between two extends answers as a brute-force search over the tokens so far."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4) for _ in range(200)]
+    index = ContextIndex(3, 1)
+    for end in range(len(tokens)):
+        index.extend(tokens[end : end + 1])
+        for context in (tokens[: end + 1], tokens[: end + 1] + [rng.randrange(4)]):
+            assert index.next(context) == brute_next(tokens[: end + 1], context, 3, 1)
+
+
 def test_incremental_updates_equal_a_rebuild():
     rng = random.Random(7)
     tokens = [rng.randrange(6) for _ in range(300)]
