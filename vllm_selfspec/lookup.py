@@ -69,7 +69,8 @@ class NGramTable:
         self.max_n, self.min_n = max_n, min_n
         self.follow: dict[tuple[int, ...], dict[int, list[int]]] = {}
         #: n-gram -> its follower that ``next`` proposes, kept until the n-gram's counts change
-        #: (a frequent token has many followers: the max over them was about half a walk's time)
+        #: (a frequent token has many followers: the max over them took about half a walk's time
+        #: in a synthetic test of Zipf-distributed tokens)
         self._best: dict[tuple[int, ...], int] = {}
 
     def _count(self, tokens: Sequence[int], end: int, delta: int) -> None:
