@@ -69,9 +69,10 @@ ENGINE_ARGS = dict(
     seed=0,
     disable_log_stats=False,
 )
-#: what a timed run reports, summed per repeat: its wall time and tokens, and those of its
-#: decode steps at a full batch (``full_batch_decode``)
-RUN_FIELDS = ("wall_s", "tokens", "full_s", "full_tokens")
+#: what a timed run reports, summed per repeat: its wall time and tokens, those of its decode
+#: steps at a full batch (``full_batch_decode``), and its engine steps (those that emitted tokens:
+#: a closed batch gains from drafts only where they remove steps, see ``summarize``)
+RUN_FIELDS = ("wall_s", "tokens", "full_s", "full_tokens", "steps")
 #: seconds between two timed runs: an idle vLLM worker polls its queue for 1 s after its last
 #: step (shm_broadcast's busy loop) on the core the next engine's worker is pinned to
 SETTLE_S = 1.2
@@ -251,6 +252,7 @@ def _worker(spec_path: str) -> int:
                 "tokens": sum(map(len, ids)),
                 "full_s": full_s,
                 "full_tokens": full_tokens,
+                "steps": len(steps),
             }
             res.write(json.dumps(run) + "\n")
             res.flush()
@@ -530,6 +532,10 @@ def summarize(
     speedup = statistics.median(ratios) if ratios else tps / ref_tps
     full = raw.get("full_batch_ratios") or []
     same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
+    # engine steps per repeat: a closed batch ends with its last request, so drafts that do not
+    # shorten the request that finishes last remove no step and only make steps dearer
+    steps = [r["steps"] for r in raw["runs"] if "steps" in r]
+    ref_steps = [r["steps"] for r in ref["runs"] if "steps" in r]
     return {
         "tokens_per_s": tps,
         "tokens_per_s_runs": tps_runs,
@@ -539,6 +545,10 @@ def summarize(
         # batch's tail, no prefills)
         "full_batch_speedup": statistics.median(full) if full else None,
         "full_batch_speedup_runs": full,
+        "engine_steps": statistics.median(steps) if steps else None,
+        "engine_steps_ratio": (
+            statistics.median(steps) / statistics.median(ref_steps) if steps and ref_steps else None
+        ),
         "acceptance_rate": c["accepted_tokens"] / c["draft_tokens"]
         if spec and c["draft_tokens"]
         else None,
@@ -563,12 +573,20 @@ def _fmt(x: Any, spec: str = ".3f", pct: bool = False) -> str:
     return f"{100 * x:.0f}%" if pct else format(x, spec)
 
 
+def _steps(m: dict) -> str:
+    """Engine steps per repeat and their ratio to vanilla's, e.g. ``97 (1.00)``."""
+    if m.get("engine_steps") is None:
+        return "–"
+    return f"{m['engine_steps']:.0f} ({_fmt(m.get('engine_steps_ratio'), '.2f')})"
+
+
 def markdown_table(methods: dict[str, dict]) -> str:
     lines = [
-        "| method | tok/s | speedup | full-batch speedup | acceptance | mean accepted/round "
+        "| method | tok/s | speedup | full-batch speedup | engine steps (vs vanilla) "
+        "| acceptance | mean accepted/round "
         "| tokens/layer | parity | draft/verify/policy/shadow/optimise share "
         "| skipped attn/MLP per round |",
-        "|" + "---|" * 10,
+        "|" + "---|" * 11,
     ]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
@@ -592,6 +610,7 @@ def markdown_table(methods: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
             f"| {_fmt(m.get('full_batch_speedup'), '.2f')}{'x' if m.get('full_batch_speedup') else ''} "
+            f"| {_steps(m)} "
             f"| {_fmt(m['acceptance_rate'], pct=True)} "
             f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
             f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "

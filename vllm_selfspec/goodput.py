@@ -344,8 +344,21 @@ class StepCostModel:
         line = self.target_line()
         if drafts <= 0 or line is None:
             return 0.0
-        r, d = int(requests), int(drafts)
-        shapes = self._frozen[2] if self._frozen is not None else self._shapes
+        return self._excess(line, self._shape_table(), int(requests), int(drafts))
+
+    def verify_excess_table(self, requests: float, most: int) -> list[float]:
+        """``verify_excess(requests, d)`` for d = 1..most (what the controller prices a step's
+        drafts by, every step)."""
+        line = self.target_line()
+        if line is None:
+            return [0.0] * most
+        shapes, r = self._shape_table(), int(requests)
+        return [self._excess(line, shapes, r, d) for d in range(1, most + 1)]
+
+    def _shape_table(self) -> dict:
+        return self._frozen[2] if self._frozen is not None else self._shapes
+
+    def _excess(self, line, shapes, r: int, d: int) -> float:
         seen = shapes.get((r, d))
         if seen is not None:
             return max(0.0, self._shrunk(seen, line, d))
@@ -782,9 +795,8 @@ class GoodputController:
         )
         # the verification of m = 1.. drafts in this step, by the shapes measured or the line
         most = sum(c.max_tokens for c in scaled)
-        excess = [self.costs.verify_excess(n, m) for m in range(1, most + 1)]
-        for steps in range(depth + 1):
-            choice = self._best_for_depth(scaled, steps, base, plain, v1, floor, verify, excess)
+        excess = self.costs.verify_excess_table(n, most)
+        for choice in self._best_for_depths(scaled, depth, base, plain, v1, floor, verify, excess):
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
@@ -862,53 +874,87 @@ class GoodputController:
         return "free" if all(c.free for c in drafted) else "paid"
 
     @staticmethod
-    def _best_for_depth(
-        cands, steps, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
-    ) -> Choice:
-        """With ``steps`` draft steps: the best set of draft tokens. Each token costs its row in
-        a draft step (unless free) and its verification; ranked by expected tokens per second of
-        its cost at the line's price ``v1`` a token, the best set is a prefix of that ranking (a
-        request's tokens come in order, since its P is non-increasing and its cost per token
-        constant), the one with the highest (tokens / seconds) of the whole step. The step pays
-        ``excess[m - 1]`` to verify m drafts (``StepCostModel.verify_excess``; default the
-        line's ``v1·m + verify``). A prefix whose last token is expected to yield no more than
-        ``floor`` tokens per second of its own cost (its row, and the prefix's verification per
-        token beyond the fixed ``verify``) is never chosen, however well the others pay."""
+    def _best_for_depths(
+        cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
+    ) -> list[Choice]:
+        """For each number of draft steps ``s = 0..depth``: the best set of draft tokens. Each
+        token costs its row in a draft step (unless free) and its verification; ranked by
+        expected tokens per second of its cost at the line's price ``v1`` a token, the best set
+        is a prefix of that ranking (a request's tokens come in order, since its P is
+        non-increasing and its cost per token constant), the one with the highest (tokens /
+        seconds) of the whole step. The step pays ``excess[m - 1]`` to verify m drafts
+        (``StepCostModel.verify_excess``; default the line's ``v1·m + verify``). A prefix whose
+        last token is expected to yield no more than ``floor`` tokens per second of its own cost
+        (its row, and the prefix's verification per token beyond the fixed ``verify``) is never
+        chosen, however well the others pay.
+
+        With s draft steps the tokens on offer are every free token and each self-draft's first
+        s: one ranking of all of them serves every s (a subset keeps its order), so all depths
+        are priced in one pass, a row of the arrays below per s (the controller's per-step cost
+        at batch 8 was mostly one such pass per depth, docs/benchmarks.md).
+
+        Example: one free draft (P 0.9, 0.5) and one self-draft (P 0.8) whose draft step costs
+        0.02 s; a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step
+        only the free tokens are on offer (3.4 tokens in 0.12 s); with one, the self-draft's
+        token too (4.2 tokens in 0.15 s: 28 tokens/s against 28.3, so ``choose`` keeps the
+        first)::
+
+            >>> free = Candidate(2, np.array([0.9, 0.5]), free=True)
+            >>> paid = Candidate(1, np.array([0.8]), 0.0, 0.02)
+            >>> for c in GoodputController._best_for_depths([free, paid], 1, 2, 0.1, 0.01):
+            ...     print(c.tokens, round(c.expected_tokens, 2), round(c.expected_seconds, 2))
+            [2, 0] 3.4 0.12
+            [2, 1] 4.2 0.15
+        """
         n = len(cands)
         width = max((c.max_tokens for c in cands), default=0)
         gain = np.zeros((n, max(width, 1)))
         cost = np.zeros(n)
         row = np.zeros(n)
-        fixed = 0.0
+        free = np.zeros(n, dtype=bool)
+        fixed = 0.0  # a draft step's fixed seconds: the dearest plan among the drafting rows
         for i, c in enumerate(cands):
-            depth = c.max_tokens if c.free else min(c.max_tokens, steps)
-            if depth <= 0:
+            d = c.max_tokens if c.free else min(c.max_tokens, depth)
+            if d <= 0:
                 continue
-            gain[i, :depth] = c.accept[:depth]
+            gain[i, :d] = c.accept[:d]
             cost[i] = v1 + c.row_seconds
             row[i] = c.row_seconds
+            free[i] = c.free
             if not c.free:
                 fixed = max(fixed, c.plan_seconds)
+        none = Choice([0] * n, base, plain, plain)
         rows, cols = np.nonzero(gain > 0)
         if rows.size == 0:
-            return Choice([0] * n, base, plain, plain)
+            return [none] * (depth + 1)
         g = gain[rows, cols]
         order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
-        m = np.arange(1, len(order) + 1)
+        rows, cols, g, r = rows[order], cols[order], g[order], row[rows[order]]
+        # on[s, t]: token t is on offer with s draft steps
+        on = free[rows][None, :] | (cols[None, :] < np.arange(depth + 1)[:, None])
+        m = np.cumsum(on, axis=1)  # drafts in the prefix ending at t
         if excess is None:
-            excess = v1 * m + verify
+            verified = v1 * m + verify
         else:
-            excess = np.asarray(excess[: len(order)], dtype=np.float64)
-        total = base + np.cumsum(g[order])
-        seconds = plain + steps * fixed + np.cumsum(row[rows][order]) + excess
-        per_token = np.maximum(excess - verify, 0.0) / m  # the prefix's verification per token
-        worth = g[order] > floor * (row[rows][order] + per_token)
-        if not worth.any():
-            return Choice([0] * n, base, plain, plain)
+            table = np.asarray(excess[: len(g)], dtype=np.float64)
+            verified = table[np.maximum(m, 1) - 1]
+        steps = np.arange(depth + 1)[:, None]
+        total = base + np.cumsum(on * g, axis=1)
+        seconds = plain + steps * fixed + np.cumsum(on * r, axis=1) + verified
+        per_token = np.maximum(verified - verify, 0.0) / np.maximum(m, 1)
+        worth = on & (g > floor * (r + per_token))
         rate = np.where(worth, total / seconds, -np.inf)
-        best = int(np.argmax(rate))
-        tokens = np.bincount(rows[order[: best + 1]], minlength=n)
-        return Choice(tokens.tolist(), float(total[best]), float(seconds[best]), plain)
+        out = []
+        for s in range(depth + 1):
+            if not worth[s].any():
+                out.append(none)
+                continue
+            best = int(np.argmax(rate[s]))
+            tokens = np.bincount(rows[: best + 1][on[s, : best + 1]], minlength=n)
+            out.append(
+                Choice(tokens.tolist(), float(total[s, best]), float(seconds[s, best]), plain)
+            )
+        return out
 
     def _probe(
         self, cands: list[Candidate], best: Choice, free: bool = False, plain: float = 0.0

@@ -65,7 +65,7 @@ def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monk
 
         def run(self, start, stop, fresh):
             calls.append(("run", self.name))
-            return {"wall_s": 1.0, "tokens": 10, "full_s": 0.5, "full_tokens": 6}
+            return {"wall_s": 1.0, "tokens": 10, "full_s": 0.5, "full_tokens": 6, "steps": 5}
 
         def finish(self):
             return {}
@@ -132,7 +132,14 @@ def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order
         def run(self, start, stop, fresh):
             runs.append(self.name)
             whole, full = speed[self.name]
-            return {"wall_s": 10 / whole, "tokens": 10, "full_s": 6 / full, "full_tokens": 6}
+            steps = 10 if self.name == "vanilla" else 9
+            return {
+                "wall_s": 10 / whole,
+                "tokens": 10,
+                "full_s": 6 / full,
+                "full_tokens": 6,
+                "steps": steps,
+            }
 
         def finish(self):
             return {}
@@ -148,5 +155,30 @@ def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order
     )
     assert ratios["a"] == pytest.approx([0.9] * 3)
     assert raw["a"]["full_batch_ratios"] == pytest.approx([1.2] * 3)
+    assert [r["steps"] for r in raw["a"]["runs"]] == [9] * 3  # engine steps, summed per repeat
     # one slice a repeat here; each repeat starts with the next engine (none always runs first)
     assert runs == ["vanilla", "a", "a", "vanilla", "vanilla", "a"]
+
+
+def test_summary_gives_engine_steps_against_vanillas():
+    """A closed batch gains only where drafts remove engine steps: the summary and its table
+    give each method's steps per repeat and their ratio to vanilla's."""
+    from vllm_selfspec.bench import markdown_table, summarize
+
+    counters = {"drafts": 4, "draft_tokens": 8, "accepted_tokens": 4}
+
+    def raw(steps):
+        runs = [{"wall_s": 1.0, "tokens": 20, "steps": s} for s in steps]
+        return {
+            "runs": runs,
+            "token_ids": [[1, 2]],
+            "counters": counters,
+            "selfspec_stats": None,
+            "deterministic": True,
+        }
+
+    ref = raw([20, 21, 20])
+    out = summarize({"method": "ngram"}, raw([16, 18, 17]), ref, 30, [1.1, 1.2, 1.0])
+    assert out["engine_steps"] == 17
+    assert out["engine_steps_ratio"] == pytest.approx(17 / 20)
+    assert "| 17 (0.85) |" in markdown_table({"ngram": out})

@@ -8,6 +8,7 @@ import pytest
 from vllm_selfspec.goodput import (
     AcceptanceTracker,
     Candidate,
+    Choice,
     GoodputController,
     OnlineFit,
     PlainReference,
@@ -606,6 +607,9 @@ def test_verification_is_priced_by_the_shapes_measured():
     assert c.verify_excess(1, 6) < 0.5 * (6 * v_tok + v_ver)
     assert c.verify_excess(2, 1) == pytest.approx(v_tok + v_ver)
     assert c.target_seconds(1, 3) == pytest.approx(c.target_seconds(1))
+    # the controller's table of every draft count is the same prices
+    for r in (1, 2):
+        assert c.verify_excess_table(r, 10) == [c.verify_excess(r, d) for d in range(1, 11)]
 
 
 def test_a_cheap_drafter_drafts_the_shapes_that_pay():
@@ -650,3 +654,63 @@ def test_a_draft_step_far_above_its_measured_price_is_not_a_sample_unless_it_per
     for _ in range(3):
         costs.add_draft(0.0, 1, 0.03)
     assert costs.draft_seconds(0.0, 1) > 0.004
+
+
+def one_depth_reference(cands, steps, base, plain, v1, floor, verify, excess):
+    """The choice with ``steps`` draft steps, priced on its own (what ``_best_for_depths``
+    computes for every depth in one pass)."""
+    n = len(cands)
+    offer = []  # (tokens per second of its cost, column, request, gain, row seconds)
+    fixed = 0.0
+    for i, c in enumerate(cands):
+        depth = c.max_tokens if c.free else min(c.max_tokens, steps)
+        if depth > 0 and not c.free:
+            fixed = max(fixed, c.plan_seconds)
+        for j in range(max(depth, 0)):
+            if c.accept[j] > 0:
+                cost = max(v1 + c.row_seconds, 1e-12)
+                offer.append((-c.accept[j] / cost, j, i, c.accept[j], c.row_seconds))
+    offer.sort(key=lambda t: (t[0], t[1], t[2]))  # stable: ties by column, then request
+    best = Choice([0] * n, base, plain, plain)
+    best_rate, total, row_sum = -math.inf, base, 0.0
+    for m, (_, _, _, g, row) in enumerate(offer, 1):
+        total += g
+        row_sum += row
+        verified = v1 * m + verify if excess is None else excess[m - 1]
+        seconds = plain + steps * fixed + row_sum + verified
+        if g > floor * (row + max(verified - verify, 0.0) / m) and total / seconds > best_rate:
+            best_rate = total / seconds
+            tokens = [0] * n
+            for _, _, i, _, _ in offer[:m]:
+                tokens[i] += 1
+            best = Choice(tokens, total, seconds, plain)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
+    """Random batches of free and self-drafts, odd shapes included (no drafts, zero and tied
+    acceptances, measured verification by shape or the line): one pass over all depths gives
+    each depth's own best choice."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 10))
+    cands = []
+    for _ in range(n):
+        k = int(rng.integers(0, 7))
+        accept = np.cumprod(rng.choice([0.0, 0.3, 0.5, 0.5, 0.9, 1.0], size=k))
+        if rng.random() < 0.4:
+            cands.append(Candidate(k, accept, free=True))
+        else:
+            cands.append(Candidate(k, accept, float(rng.choice([0.0, 1e-3, 4e-3])), 2e-3))
+    most = sum(c.max_tokens for c in cands)
+    excess = None if rng.random() < 0.3 else np.cumsum(rng.uniform(0.0, 8e-3, size=most))
+    v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
+    base, plain, floor = float(n), 0.05 + 0.005 * n, float(rng.choice([0.0, 10.0, 60.0]))
+    depth = int(rng.integers(0, 7))
+    got = GoodputController._best_for_depths(cands, depth, base, plain, v1, floor, verify, excess)
+    assert len(got) == depth + 1
+    for steps, choice in enumerate(got):
+        want = one_depth_reference(cands, steps, base, plain, v1, floor, verify, excess)
+        assert choice.tokens == want.tokens, steps
+        assert choice.expected_tokens == pytest.approx(want.expected_tokens)
+        assert choice.expected_seconds == pytest.approx(want.expected_seconds)
