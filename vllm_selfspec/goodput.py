@@ -344,7 +344,7 @@ class StepCostModel:
         line = self.target_line()
         if drafts <= 0 or line is None:
             return 0.0
-        return self._excess(line, self._shape_table(), int(requests), int(drafts))
+        return self._excess(line, self._shape_table(), int(requests), int(drafts), int(drafts))[0]
 
     def verify_excess_table(self, requests: float, most: int) -> list[float]:
         """``verify_excess(requests, d)`` for d = 1..most (what the controller prices a step's
@@ -352,26 +352,35 @@ class StepCostModel:
         line = self.target_line()
         if line is None:
             return [0.0] * most
-        shapes, r = self._shape_table(), int(requests)
-        return [self._excess(line, shapes, r, d) for d in range(1, most + 1)]
+        return self._excess(line, self._shape_table(), int(requests), 1, most)
 
     def _shape_table(self) -> dict:
         return self._frozen[2] if self._frozen is not None else self._shapes
 
-    def _excess(self, line, shapes, r: int, d: int) -> float:
-        seen = shapes.get((r, d))
-        if seen is not None:
-            return max(0.0, self._shrunk(seen, line, d))
-        residuals = []
-        for sign in (-1, 1):
-            for step in range(1, self.SHAPE_REACH + 1):
-                near = shapes.get((r, d + sign * step))
-                if near is not None and d + sign * step > 0:
+    def _excess(self, line, shapes, r: int, lo: int, hi: int) -> list[float]:
+        """``verify_excess(r, d)`` for d = lo..hi: the shapes of r measured in reach of them,
+        shrunk towards the line, looked up once."""
+        reach = self.SHAPE_REACH
+        shrunk = {}
+        for d in range(max(1, lo - reach), hi + reach + 1):
+            seen = shapes.get((r, d))
+            if seen is not None:
+                shrunk[d] = self._shrunk(seen, line, d)
+        out = []
+        for d in range(lo, hi + 1):
+            if d in shrunk:
+                out.append(max(0.0, shrunk[d]))
+                continue
+            residuals = []
+            for sign in (-1, 1):
+                for step in range(1, reach + 1):
                     n = d + sign * step
-                    residuals.append(self._shrunk(near, line, n) - (line[2] * n + line[3]))
-                    break
-        shift = sum(residuals) / len(residuals) if residuals else 0.0
-        return max(0.0, line[2] * d + line[3] + shift)
+                    if n in shrunk:
+                        residuals.append(shrunk[n] - (line[2] * n + line[3]))
+                        break
+            shift = sum(residuals) / len(residuals) if residuals else 0.0
+            out.append(max(0.0, line[2] * d + line[3] + shift))
+        return out
 
     def _shrunk(self, seen, line, drafts: int) -> float:
         w = self.SHAPE_PRIOR_WEIGHT
