@@ -145,6 +145,9 @@ class StepCostModel:
     #: a shape's mean is shrunk towards the line by this many samples' weight (a shape seen once
     #: or twice is mostly the line)
     SHAPE_PRIOR_WEIGHT = 2.0
+    #: how fast the noise of one excess sample (its squared distance from its shape's mean, pooled
+    #: over shapes) is followed (the share of the old value kept per sample)
+    NOISE_DECAY = 0.98
     #: a shape not measured is priced by the measured ones of as many requests within this many
     #: draft tokens (``verify_excess``)
     SHAPE_REACH = 2
@@ -178,6 +181,10 @@ class StepCostModel:
         self._recent: dict[int, float] = {}
         #: (requests, draft tokens) -> [decayed sum of excess seconds, decayed count]
         self._shapes: dict[tuple[int, int], list[float]] = {}
+        #: the variance of one excess sample about its shape's mean, pooled over shapes (0 before
+        #: a shape is measured twice): what a shape's price adds for the uncertainty of its mean
+        self._noise_sum = 0.0  # decayed sum of squared deviations (``NOISE_DECAY``)
+        self._noise_count = 0.0
         self.draft = OnlineFit(3)
         self._frozen: tuple | None = None
         self._line: tuple[float, float, float, float] | None = None  # solved once per sample
@@ -224,6 +231,13 @@ class StepCostModel:
 
     def _add_shape(self, shape: tuple[int, int], excess: float) -> None:
         total, count = self._shapes.pop(shape, (0.0, 0.0))  # re-inserted: the most recent
+        if count > 0:
+            # a sample's distance from the mean of ``count`` earlier ones has variance
+            # noise * (1 + 1/count)
+            dev = excess - total / count
+            d = self.NOISE_DECAY
+            self._noise_sum = d * self._noise_sum + dev * dev * count / (count + 1.0)
+            self._noise_count = d * self._noise_count + 1.0
         self._shapes[shape] = [self.SHAPE_DECAY * total + excess, self.SHAPE_DECAY * count + 1.0]
         if len(self._shapes) > self.MAX_SHAPES:
             del self._shapes[next(iter(self._shapes))]
@@ -254,7 +268,7 @@ class StepCostModel:
     # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
     def state(self) -> tuple:
         shapes = {k: (v[0], v[1]) for k, v in self._shapes.items()}
-        return (self._target_line(), self.draft.coefficients(), shapes)
+        return (self._target_line(), self.draft.coefficients(), shapes, self.noise())
 
     def freeze(self, state: tuple | None) -> None:
         self._frozen = state
@@ -382,9 +396,24 @@ class StepCostModel:
             out.append(max(0.0, line[2] * d + line[3] + shift))
         return out
 
+    def noise(self) -> float:
+        """The variance of one excess sample about its shape's mean (rank 0's under TP)."""
+        if self._frozen is not None:
+            return self._frozen[3] if len(self._frozen) > 3 else 0.0
+        return self._noise_sum / self._noise_count if self._noise_count > 0 else 0.0
+
     def _shrunk(self, seen, line, drafts: int) -> float:
+        """A measured shape's price: its mean shrunk towards the line, plus one standard error
+        of that mean. The controller drafts the shapes priced cheapest, so a shape whose few
+        samples came out cheap by chance would be drafted on the strength of noise (the
+        winner's curse: on a CPU whose steps vary by several ms, lone samples priced 1-token
+        and 5-token verification at batch 8 as free); the standard error fades as the shape's
+        samples accumulate (to a third of a sample's deviation: samples decay, ``SHAPE_DECAY``),
+        and is 0 on a machine whose steps do not vary."""
         w = self.SHAPE_PRIOR_WEIGHT
-        return (seen[0] + w * (line[2] * drafts + line[3])) / (seen[1] + w)
+        noise = self.noise()
+        mean = (seen[0] + w * (line[2] * drafts + line[3])) / (seen[1] + w)
+        return mean + math.sqrt(max(noise, 0.0) / (seen[1] + w))
 
     def token_seconds(self) -> float | None:
         """What one more verified draft token adds to a target forward."""

@@ -714,3 +714,30 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
         assert choice.tokens == want.tokens, steps
         assert choice.expected_tokens == pytest.approx(want.expected_tokens)
         assert choice.expected_seconds == pytest.approx(want.expected_seconds)
+
+
+def _shape_samples(deviations):
+    """A cost model whose plain steps at batch 8 take 60 ms and whose 1-draft steps take
+    60 ms + 4 ms + each deviation in turn (the line's token price is 4 ms)."""
+    c = StepCostModel(skip_first=False)
+    for _ in range(4):
+        c.add_target(8, 8, 0.060)
+        c.add_target(8, 10, 0.068)  # 2 drafts: the line's slope
+    for dev in deviations:
+        c.add_target(8, 8, 0.060)
+        c.add_target(8, 9, 0.064 + dev)
+    return c
+
+
+def test_a_shape_measured_on_a_noisy_machine_is_priced_by_its_mean_only_once_well_measured():
+    """The controller drafts the shapes priced cheapest, so a noisy shape's mean, taken at its
+    word, would be chosen where noise made it cheap. Same mean (4 ms) from steady samples and
+    from samples 6 ms either side: the steady shape is priced at its mean at once, the noisy one
+    higher by about a standard error of its mean, which fades as its samples accumulate (to
+    about 6 / sqrt(12) ms: a shape's samples decay)."""
+    steady = _shape_samples([0.0] * 4).verify_excess(8, 1)
+    noisy = _shape_samples([0.006, -0.006] * 2).verify_excess(8, 1)
+    assert steady == pytest.approx(0.004, abs=5e-4)  # shrunk a little towards the line
+    assert noisy > steady + 0.001
+    many = _shape_samples([0.006, -0.006] * 40).verify_excess(8, 1)
+    assert steady < many < steady + 0.0015
