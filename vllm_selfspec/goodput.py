@@ -114,8 +114,10 @@ class StepCostModel:
         steps of its size* (a fast average per request count: the speed of the moment),
         fitted on drafting steps alone, so its evidence is not forgotten while no one drafts
         (docs/benchmarks.md, "Pricing verification"). The same excess is kept per shape
-        (requests, draft tokens) and prices the shapes measured and their neighbours
-        (``verify_excess``; docs/benchmarks.md, "Step costs by shape").
+        (requests, draft tokens) and prices the shapes measured and their neighbours, each at
+        its mean plus a standard error of it, so noise cannot make a shape look cheap
+        (``verify_excess``; docs/benchmarks.md, "Step costs by shape" and "shapes priced
+        against noise").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 
@@ -349,7 +351,8 @@ class StepCostModel:
         over a plain step, never below 0 (a shape measured faster than a plain step is priced
         as free, not as a gain); 0 for no drafts:
 
-        * a shape measured: its decayed mean shrunk towards the line (``SHAPE_PRIOR_WEIGHT``);
+        * a shape measured: its decayed mean shrunk towards the line (``SHAPE_PRIOR_WEIGHT``),
+          plus a standard error of that mean (``_shrunk``);
         * else, with shapes of as many requests measured within ``SHAPE_REACH`` draft tokens:
           the line, shifted by their mean residual (the nearest below and above). A shape the
           controller has not drafted yet is priced like its neighbours: at batch 1 here 4 and
@@ -406,8 +409,8 @@ class StepCostModel:
         """A measured shape's price: its mean shrunk towards the line, plus one standard error
         of that mean. The controller drafts the shapes priced cheapest, so a shape whose few
         samples came out cheap by chance would be drafted on the strength of noise (the
-        winner's curse: on a CPU whose steps vary by several ms, lone samples priced 1-token
-        and 5-token verification at batch 8 as free); the standard error fades as the shape's
+        winner's curse: on a CPU whose steps vary by several ms, a few samples priced verifying
+        1 draft at batch 8, and 5 at batch 5, as free); the standard error fades as the shape's
         samples accumulate (to a third of a sample's deviation: samples decay, ``SHAPE_DECAY``),
         and is 0 on a machine whose steps do not vary."""
         w = self.SHAPE_PRIOR_WEIGHT
