@@ -931,8 +931,9 @@ class GoodputController:
 
         With s draft steps the tokens on offer are every free token and each self-draft's first
         s: one ranking of all of them serves every s (a subset keeps its order), so all depths
-        are priced in one pass, a row of the arrays below per s (the controller's per-step cost
-        at batch 8 was mostly one such pass per depth, docs/benchmarks.md).
+        are priced in one pass, a row of the arrays below per s (with 6-token self-drafts in view
+        at 8 requests, the 7 passes of one pricing each took half of a choice's time:
+        docs/benchmarks.md, "The controller's cost").
 
         Example: one free draft (P 0.9, 0.5) and one self-draft (P 0.8) whose draft step costs
         0.02 s; a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step
