@@ -6,12 +6,12 @@
 
 Each method runs in its own subprocess and engine, with greedy sampling. The methods run in
 groups of ``--group-size``, each group live at once beside its own vanilla engine, and their timed
-repeats are *interleaved*: a repeat runs the prompts in slices of twice the batch size, each slice
-by vanilla and each method of the group in turn (with a pause between runs so an idle engine's
-polling has stopped; each repeat starts with the next engine of the group, so none always runs
-first). Before its repeats, each engine runs the whole workload once untimed (the
-warm-up; the engines of a group load together but warm up one at a time), and each timed run
-starts from an empty prefix cache. A method's speedup is the median over repeats of its
+repeats are *interleaved*: a repeat runs the prompts in slices of twice the batch size
+(``--slice-size``), each slice by vanilla and each method of the group in turn (with a pause
+between runs so an idle engine's polling has stopped; each repeat starts with the next engine of
+the group, so none always runs first). Before its repeats, each engine runs the whole workload
+once untimed (the warm-up; the engines of a group load together but warm up one at a time), and
+each timed run starts from an empty prefix cache. A method's speedup is the median over repeats of its
 tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed drifts within
 seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves both alike.
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes
@@ -107,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="methods live at once beside a vanilla engine, their repeats "
         "interleaved (each engine needs ~2.5 GB of memory)",
+    )
+    parser.add_argument(
+        "--slice-size",
+        type=int,
+        default=None,
+        help="prompts per timed slice, each a closed batch run by every engine in turn "
+        "(default twice the batch size; several times it: a server with a standing queue)",
     )
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
@@ -223,7 +230,7 @@ def _worker(spec_path: str) -> int:
         # stay out of the timed runs, as they stay out of a server that has run for a minute.
         # The parent warms its engines one at a time: a cost model that learnt its prices while
         # other engines competed for the cores would carry them into the timed runs
-        for start, stop in chunks(len(prompts), spec["batch_size"]):
+        for start, stop in chunks(len(prompts), spec["batch_size"], spec.get("slice_size")):
             llm.generate(prompts[start:stop], params, use_tqdm=False)
         if selfspec:
             get_stats(llm, reset=True)
@@ -417,11 +424,13 @@ class _Engine:
         self._log.close()
 
 
-def chunks(num_prompts: int, batch_size: int) -> list[tuple[int, int]]:
-    """The prompt slices a repeat is timed in, each run by every method of a group in turn: twice
-    the batch size (a full batch most of the time), so the methods' runs alternate every few
-    seconds and a machine whose speed drifts slows or speeds them alike."""
-    size = 2 * batch_size
+def chunks(num_prompts: int, batch_size: int, size: int | None = None) -> list[tuple[int, int]]:
+    """The prompt slices a repeat is timed in, each run by every method of a group in turn:
+    ``size`` prompts, by default twice the batch size (a full batch most of the time), so the
+    methods' runs alternate every few seconds and a machine whose speed drifts slows or speeds
+    them alike. Each slice is a closed batch: its last ``batch_size`` requests decode with none
+    waiting (a server with a standing queue: ``--slice-size`` several times the batch size)."""
+    size = size or 2 * batch_size
     return [(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
 
 
@@ -466,7 +475,8 @@ def run_interleaved(
                 total = {n: dict.fromkeys(RUN_FIELDS, 0) for n in names}
                 # each repeat starts with the next engine: no engine always runs first
                 order = names[r % len(names) :] + names[: r % len(names)]
-                for c, (start, stop) in enumerate(chunks(len(base["prompts"]), base["batch_size"])):
+                slices = chunks(len(base["prompts"]), base["batch_size"], base.get("slice_size"))
+                for c, (start, stop) in enumerate(slices):
                     for n in order:
                         time.sleep(SETTLE_S)
                         run = engines[n].run(start, stop, fresh=c == 0)
@@ -691,6 +701,8 @@ def main(args: argparse.Namespace) -> int:
         for flag in ("num_prompts", "max_tokens", "batch_size", "repeats", "group_size"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+        if args.slice_size is not None and args.slice_size < 1:
+            raise ValueError("--slice-size must be >= 1")
         model = resolve_model(args.model)
         hf_config = AutoConfig.from_pretrained(model)
         num_layers = hf_config.num_hidden_layers
@@ -708,6 +720,7 @@ def main(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
         "repeats": args.repeats,
+        "slice_size": args.slice_size,
     }
     with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
         try:
@@ -750,7 +763,9 @@ def main(args: argparse.Namespace) -> int:
     settings_line = (
         f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
         f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
-        f"repeats {args.repeats}, vLLM {settings['vllm_version']}, "
+        f"repeats {args.repeats}, slices of "
+        f"{min(args.slice_size or 2 * args.batch_size, len(prompts))} prompts, "
+        f"vLLM {settings['vllm_version']}, "
         f"torch threads {settings['torch_threads']} (engine OMP cores "
         f"{settings['engine_omp_cores']}), greedy"
     )

@@ -182,3 +182,48 @@ def test_summary_gives_engine_steps_against_vanillas():
     assert out["engine_steps"] == 17
     assert out["engine_steps_ratio"] == pytest.approx(17 / 20)
     assert "| 17 (0.85) |" in markdown_table({"ngram": out})
+
+
+def test_slices_are_twice_the_batch_unless_given():
+    from vllm_selfspec.bench import chunks
+
+    assert chunks(20, 4) == [(0, 8), (8, 16), (16, 20)]
+    assert chunks(20, 4, 20) == [(0, 20)]  # one slice: a standing queue until the last wave
+    assert chunks(20, 4, 7) == [(0, 7), (7, 14), (14, 20)]
+
+
+def test_every_engine_runs_the_slices_of_the_given_size(tmp_path, monkeypatch):
+    from vllm_selfspec import bench
+
+    ran = []
+
+    class FakeEngine:
+        def __init__(self, name, spec, log, tmp):
+            self.name = name
+
+        def ready(self):
+            pass
+
+        def warm_up(self):
+            pass
+
+        def run(self, start, stop, fresh):
+            ran.append((self.name, start, stop, fresh))
+            return {"wall_s": 1.0, "tokens": 1, "full_s": 0.0, "full_tokens": 0, "steps": 1}
+
+        def finish(self):
+            return {}
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(bench, "_Engine", FakeEngine)
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    base = {"prompts": ["p"] * 10, "batch_size": 2, "slice_size": 6}
+    bench.run_interleaved({"vanilla": None, "a": {"method": "a"}}, base, 1, 1, tmp_path, tmp_path)
+    assert ran == [
+        ("vanilla", 0, 6, True),
+        ("a", 0, 6, True),
+        ("vanilla", 6, 10, False),
+        ("a", 6, 10, False),
+    ]
