@@ -110,14 +110,9 @@ def test_full_batch_decode_counts_decode_steps_while_the_batch_is_full():
     assert full_batch_decode([], 4, 4) == (0.0, 0)
 
 
-def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order(
-    tmp_path, monkeypatch
-):
-    from vllm_selfspec import bench
-
-    # tokens/s (whole run, full batch): "a" loses in its closed tail what it gains at full batch
-    speed = {"vanilla": (10.0, 10.0), "a": (9.0, 12.0)}
-    runs = []
+def _fake_engines(bench, monkeypatch, run) -> None:
+    """``bench._Engine`` replaced by a stand-in whose timed runs ``run(name, start, stop, fresh)``
+    answers (no process, no pause between runs)."""
 
     class FakeEngine:
         def __init__(self, name, spec, log, tmp):
@@ -130,16 +125,7 @@ def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order
             pass
 
         def run(self, start, stop, fresh):
-            runs.append(self.name)
-            whole, full = speed[self.name]
-            steps = 10 if self.name == "vanilla" else 9
-            return {
-                "wall_s": 10 / whole,
-                "tokens": 10,
-                "full_s": 6 / full,
-                "full_tokens": 6,
-                "steps": steps,
-            }
+            return run(self.name, start, stop, fresh)
 
         def finish(self):
             return {}
@@ -149,6 +135,30 @@ def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order
 
     monkeypatch.setattr(bench, "_Engine", FakeEngine)
     monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+
+
+def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order(
+    tmp_path, monkeypatch
+):
+    from vllm_selfspec import bench
+
+    # tokens/s (whole run, full batch): "a" loses in its closed tail what it gains at full batch
+    speed = {"vanilla": (10.0, 10.0), "a": (9.0, 12.0)}
+    runs = []
+
+    def run(name, start, stop, fresh):
+        runs.append(name)
+        whole, full = speed[name]
+        steps = 10 if name == "vanilla" else 9
+        return {
+            "wall_s": 10 / whole,
+            "tokens": 10,
+            "full_s": 6 / full,
+            "full_tokens": 6,
+            "steps": steps,
+        }
+
+    _fake_engines(bench, monkeypatch, run)
     configs = {"vanilla": None, "a": {"method": "a"}}
     raw, ratios = bench.run_interleaved(
         configs, {"prompts": ["p"] * 4, "batch_size": 2}, 3, 1, tmp_path, tmp_path
@@ -197,28 +207,11 @@ def test_every_engine_runs_the_slices_of_the_given_size(tmp_path, monkeypatch):
 
     ran = []
 
-    class FakeEngine:
-        def __init__(self, name, spec, log, tmp):
-            self.name = name
+    def run(name, start, stop, fresh):
+        ran.append((name, start, stop, fresh))
+        return {"wall_s": 1.0, "tokens": 1, "full_s": 0.0, "full_tokens": 0, "steps": 1}
 
-        def ready(self):
-            pass
-
-        def warm_up(self):
-            pass
-
-        def run(self, start, stop, fresh):
-            ran.append((self.name, start, stop, fresh))
-            return {"wall_s": 1.0, "tokens": 1, "full_s": 0.0, "full_tokens": 0, "steps": 1}
-
-        def finish(self):
-            return {}
-
-        def kill(self):
-            pass
-
-    monkeypatch.setattr(bench, "_Engine", FakeEngine)
-    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    _fake_engines(bench, monkeypatch, run)
     base = {"prompts": ["p"] * 10, "batch_size": 2, "slice_size": 6}
     bench.run_interleaved({"vanilla": None, "a": {"method": "a"}}, base, 1, 1, tmp_path, tmp_path)
     assert ran == [
