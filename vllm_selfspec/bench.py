@@ -760,11 +760,11 @@ def main(args: argparse.Namespace) -> int:
         json.dumps({"settings": settings, "methods": methods, "quality": scored}, indent=2),
         encoding="utf-8",
     )
+    first, last = chunks(len(prompts), args.batch_size, args.slice_size)[0]
     settings_line = (
         f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
         f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
-        f"repeats {args.repeats}, slices of "
-        f"{min(args.slice_size or 2 * args.batch_size, len(prompts))} prompts, "
+        f"repeats {args.repeats}, slices of {last - first} prompts, "
         f"vLLM {settings['vllm_version']}, "
         f"torch threads {settings['torch_threads']} (engine OMP cores "
         f"{settings['engine_omp_cores']}), greedy"

@@ -402,7 +402,7 @@ class StepCostModel:
     def noise(self) -> float:
         """The variance of one excess sample about its shape's mean (rank 0's under TP)."""
         if self._frozen is not None:
-            return self._frozen[3] if len(self._frozen) > 3 else 0.0
+            return self._frozen[3]
         return self._noise_sum / self._noise_count if self._noise_count > 0 else 0.0
 
     def _shrunk(self, seen, line, drafts: int) -> float:

@@ -56,7 +56,7 @@ def test_cost_model_fits_target_and_draft_lines():
     assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
     assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.009 * 8 + 0.007 * 2, rel=3e-3)
     # rank 0's figures win (TP): its line, draft step and shapes measured
-    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0]), {(2, 1): (0.0, 8.0)}))
+    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0]), {(2, 1): (0.0, 8.0)}, 0.0))
     assert c.target_seconds(2, 4) == 3.5 and c.draft_seconds(2, rows=3) == 6.0
     assert c.target_seconds(2) == 2.0
     assert c.target_seconds(2, 1) == pytest.approx(2.0 + 0.75 * 2 / 10)  # shrunk to the line
@@ -239,7 +239,7 @@ def test_free_drafts_are_verified_where_paid_ones_would_not_pay():
 
 def test_worked_example_of_the_docstring():
     c = StepCostModel()
-    c.freeze(((0.070, 0.007, 0.007, 0.0), np.array([0.005, 0.0, 0.004]), {}))
+    c.freeze(((0.070, 0.007, 0.007, 0.0), np.array([0.005, 0.0, 0.004]), {}, 0.0))
     a = Candidate(3, np.array([0.9, 0.8, 0.7]), 0.004, 0.005)
     b = Candidate(3, np.array([0.3, 0.1, 0.03]), 0.004, 0.005)
     choice = GoodputController(c, margin=0.0).choose([a, b])
