@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+from pathlib import Path
 
 from vllm_selfspec import compat
 from vllm_selfspec.bench import ENGINE_ARGS
@@ -54,6 +55,29 @@ def engine(model: str, **kw):
             llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def remove_leaked_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
+    """Removes the shared-memory segments of vLLM-CPU's TP communicator that no live process maps;
+    returns their paths.
+
+    Each TP worker creates ``<rendezvous port>-<group>-[ranks]-cpushm_<rank>`` there and does not
+    remove it when it is killed at shutdown (vLLM's Ray executor kills its workers, so each TP=2
+    Ray engine leaves two). An engine that later draws the same port fails to start with ``create
+    shm in SHMManager failed. errno: 17`` (it did once in CI). The segments are the creating user's
+    alone (mode 0600); processes whose mappings this user may not read are skipped."""
+    leaked = set(Path(shm_dir).glob("*-cpushm_*"))
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        if not leaked:
+            break
+        try:
+            mapped = maps.read_text()
+        except OSError:
+            continue  # the process ended, or is not this user's
+        leaked = {p for p in leaked if str(p) not in mapped}
+    for p in leaked:
+        p.unlink(missing_ok=True)
+    return sorted(map(str, leaked))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from selfspec_testing import save_passthrough_top, save_tiny_model
+from selfspec_testing import remove_leaked_cpu_shm, save_passthrough_top, save_tiny_model
 
 pytest.importorskip("ray", reason="ray is in the [test] extra")
 pytestmark = pytest.mark.engine
@@ -34,6 +34,7 @@ def test_vllms_ray_executor_tp2(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(TESTS / "ray_cpu"), os.environ.get("PYTHONPATH", "")]),
     }
     script = TESTS / "engine" / "ray_executor_tp2.py"
+    remove_leaked_cpu_shm()  # what earlier Ray engines left could share a name with this one's
     done = subprocess.run(
         [sys.executable, str(script), model, str(out)],
         env=env,
@@ -41,6 +42,7 @@ def test_vllms_ray_executor_tp2(tmp_path):
         text=True,
         timeout=900,
     )
+    remove_leaked_cpu_shm()  # and what this one's killed workers left
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["selfspec"] == res["vanilla"]
