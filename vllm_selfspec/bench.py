@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import select
 import shlex
@@ -471,17 +472,22 @@ def run_interleaved(
                 e.warm_up()
             runs: dict[str, list[dict]] = {n: [] for n in names}
             full: dict[str, list[float]] = {n: [] for n in names}
+            per_slice: dict[str, list[float]] = {n: [] for n in names}
             for r in range(repeats):
                 total = {n: dict.fromkeys(RUN_FIELDS, 0) for n in names}
                 # each repeat starts with the next engine: no engine always runs first
                 order = names[r % len(names) :] + names[: r % len(names)]
                 slices = chunks(len(base["prompts"]), base["batch_size"], base.get("slice_size"))
                 for c, (start, stop) in enumerate(slices):
+                    slice_tps = {}
                     for n in order:
                         time.sleep(SETTLE_S)
                         run = engines[n].run(start, stop, fresh=c == 0)
                         for k in RUN_FIELDS:
                             total[n][k] += run[k]
+                        slice_tps[n] = run["tokens"] / run["wall_s"]
+                    for n in names:  # the same slice, run by each engine within seconds
+                        per_slice[n].append(slice_tps[n] / slice_tps["vanilla"])
                 tps = {n: t["tokens"] / t["wall_s"] for n, t in total.items()}
                 # tokens/s of the decode steps at a full batch (full_batch_decode), if any
                 full_tps = {
@@ -497,6 +503,7 @@ def run_interleaved(
             for n in names:
                 results[n]["runs"] = runs[n]
                 results[n]["full_batch_ratios"] = full[n]
+                results[n]["slice_ratios"] = per_slice[n]
         finally:
             for e in engines.values():
                 e.kill()
@@ -510,6 +517,27 @@ def run_interleaved(
 
 
 # ----------------------------------------------------------------------------- summaries
+def median_interval(
+    values: list[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile-bootstrap interval of the median of ``values`` (seeded: the same values give
+    the same interval). Four slice ratios, for example::
+
+        >>> median_interval([0.98, 1.02, 1.00, 1.04])
+        (0.99, 1.03)
+
+    One value gives the interval (it, it): nothing to say about its noise."""
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=n)) for _ in range(resamples if n > 1 else 1)
+    )
+    tail = (1 - level) / 2
+    lo = medians[int(tail * (len(medians) - 1))]
+    hi = medians[int(round((1 - tail) * (len(medians) - 1)))]
+    return lo, hi
+
+
 def summarize(
     cfg: dict | None, raw: dict, ref: dict, num_layers: int, ratios: list[float] | None = None
 ) -> dict:
@@ -541,6 +569,7 @@ def summarize(
     ref_tps = statistics.median(r["tokens"] / r["wall_s"] for r in ref["runs"])
     speedup = statistics.median(ratios) if ratios else tps / ref_tps
     full = raw.get("full_batch_ratios") or []
+    per_slice = raw.get("slice_ratios") or []
     same = [a == b for a, b in zip(raw["token_ids"], ref["token_ids"])]
     # engine steps per repeat: a closed batch ends with its last request, so drafts that do not
     # shorten the request that finishes last remove no step and only make steps dearer
@@ -555,6 +584,11 @@ def summarize(
         # batch's tail, no prefills)
         "full_batch_speedup": statistics.median(full) if full else None,
         "full_batch_speedup_runs": full,
+        # each timed slice's ratio (the same prompts run by the method and vanilla seconds
+        # apart): their median and a 90% bootstrap interval of it, the run's own noise band
+        "slice_speedup": statistics.median(per_slice) if per_slice else None,
+        "slice_speedup_interval": median_interval(per_slice) if spec and per_slice else None,
+        "slice_speedup_runs": per_slice,
         "engine_steps": statistics.median(steps) if steps else None,
         "engine_steps_ratio": (
             statistics.median(steps) / statistics.median(ref_steps) if steps and ref_steps else None
@@ -590,13 +624,21 @@ def _steps(m: dict) -> str:
     return f"{m['engine_steps']:.0f} ({_fmt(m.get('engine_steps_ratio'), '.2f')})"
 
 
+def _per_slice(m: dict) -> str:
+    """The slices' median ratio and its interval, e.g. ``0.99x [0.97, 1.01]``."""
+    if m.get("slice_speedup_interval") is None:
+        return "–"
+    lo, hi = m["slice_speedup_interval"]
+    return f"{m['slice_speedup']:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
 def markdown_table(methods: dict[str, dict]) -> str:
     lines = [
-        "| method | tok/s | speedup | full-batch speedup | engine steps (vs vanilla) "
-        "| acceptance | mean accepted/round "
+        "| method | tok/s | speedup | per slice [90% interval] | full-batch speedup "
+        "| engine steps (vs vanilla) | acceptance | mean accepted/round "
         "| tokens/layer | parity | draft/verify/policy/shadow/optimise share "
         "| skipped attn/MLP per round |",
-        "|" + "---|" * 11,
+        "|" + "---|" * 12,
     ]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
@@ -618,7 +660,7 @@ def markdown_table(methods: dict[str, dict]) -> str:
             else "–"
         )
         lines.append(
-            f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x "
+            f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {_per_slice(m)} "
             f"| {_fmt(m.get('full_batch_speedup'), '.2f')}{'x' if m.get('full_batch_speedup') else ''} "
             f"| {_steps(m)} "
             f"| {_fmt(m['acceptance_rate'], pct=True)} "

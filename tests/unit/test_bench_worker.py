@@ -170,6 +170,51 @@ def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order
     assert runs == ["vanilla", "a", "a", "vanilla", "vanilla", "a"]
 
 
+def test_each_slice_is_a_paired_ratio_and_the_summary_gives_their_interval(tmp_path, monkeypatch):
+    """Slice by slice, the method's tokens/s over vanilla's on the same slice (one repeat, two
+    slices: 1.25 and 0.8 here, where the repeat's ratio over both slices is 1.0); the summary
+    gives their median and a bootstrap interval of it, and the table shows them."""
+    from vllm_selfspec import bench
+
+    def run(name, start, stop, fresh):
+        wall = {("vanilla", 0): 1.0, ("a", 0): 0.8, ("vanilla", 4): 0.8, ("a", 4): 1.0}
+        return {
+            "wall_s": wall[name, start],
+            "tokens": 10,
+            "full_s": 0,
+            "full_tokens": 0,
+            "steps": 1,
+        }
+
+    _fake_engines(bench, monkeypatch, run)
+    configs = {"vanilla": None, "a": {"method": "a"}}
+    base = {"prompts": ["p"] * 8, "batch_size": 2}
+    raw, ratios = bench.run_interleaved(configs, base, 1, 1, tmp_path, tmp_path)
+    assert raw["a"]["slice_ratios"] == pytest.approx([1.25, 0.8])
+    assert raw["vanilla"]["slice_ratios"] == [1.0, 1.0]
+    assert ratios["a"] == pytest.approx([1.0])
+    counters = dict.fromkeys(("drafts", "draft_tokens", "accepted_tokens"), 0)
+    common = {"token_ids": [[1]], "counters": counters, "selfspec_stats": None}
+    common["deterministic"] = True
+    a, ref = {**raw["a"], **common}, {**raw["vanilla"], **common}
+    out = bench.summarize({"method": "a"}, a, ref, 30, ratios["a"])
+    assert out["slice_speedup"] == pytest.approx(1.025)
+    assert out["slice_speedup_interval"] == pytest.approx((0.8, 1.25))
+    assert "| 1.02x [0.80, 1.25] |" in bench.markdown_table({"a": out})
+
+
+def test_the_median_interval_is_seeded_and_narrows_with_more_slices():
+    from vllm_selfspec.bench import median_interval
+
+    assert median_interval([0.98, 1.02, 1.00, 1.04]) == pytest.approx((0.99, 1.03))  # docstring
+    assert median_interval([0.97]) == (0.97, 0.97)
+    noisy = [1.0 + 0.05 * ((7 * i) % 11 - 5) / 5 for i in range(44)]  # 0.95 .. 1.05
+    few, many = median_interval(noisy[:8]), median_interval(noisy)
+    assert few == median_interval(noisy[:8])  # the same values, the same interval
+    assert few[0] <= 1.0 <= few[1] and many[0] <= 1.0 <= many[1]
+    assert many[1] - many[0] < few[1] - few[0]
+
+
 def test_summary_gives_engine_steps_against_vanillas():
     """A closed batch gains only where drafts remove engine steps: the summary and its table
     give each method's steps per repeat and their ratio to vanilla's."""
