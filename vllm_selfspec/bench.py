@@ -587,7 +587,9 @@ def summarize(
         # each timed slice's ratio (the same prompts run by the method and vanilla seconds
         # apart): their median and a 90% bootstrap interval of it, the run's own noise band
         "slice_speedup": statistics.median(per_slice) if per_slice else None,
-        "slice_speedup_interval": median_interval(per_slice) if spec and per_slice else None,
+        "slice_speedup_interval": median_interval(per_slice)
+        if raw is not ref and per_slice
+        else None,
         "slice_speedup_runs": per_slice,
         "engine_steps": statistics.median(steps) if steps else None,
         "engine_steps_ratio": (

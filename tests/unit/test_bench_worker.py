@@ -201,6 +201,9 @@ def test_each_slice_is_a_paired_ratio_and_the_summary_gives_their_interval(tmp_p
     assert out["slice_speedup"] == pytest.approx(1.025)
     assert out["slice_speedup_interval"] == pytest.approx((0.8, 1.25))
     assert "| 1.02x [0.80, 1.25] |" in bench.markdown_table({"a": out})
+    # a second vanilla engine (an A/A control, config None) gets its interval; the reference not
+    assert bench.summarize(None, a, ref, 30, ratios["a"])["slice_speedup_interval"] is not None
+    assert bench.summarize(None, ref, ref, 30, ratios["vanilla"])["slice_speedup_interval"] is None
 
 
 def test_the_median_interval_is_seeded_and_narrows_with_more_slices():
