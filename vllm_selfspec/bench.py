@@ -14,6 +14,8 @@ once untimed (the warm-up; the engines of a group load together but warm up one 
 each timed run starts from an empty prefix cache. A method's speedup is the median over repeats of its
 tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed drifts within
 seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves both alike.
+Each slice also gives a paired ratio of its own; their median and a 90% bootstrap interval of it
+(``median_interval``) are the run's noise band beside the speedup.
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes
 to ``OUT/logs/<method>.log`` (vanilla's per group: ``vanilla-g<i>.log``).
 """
