@@ -72,10 +72,12 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   ``load_model``; kept as ``runner.drafter``
 ``Worker.model_runner``,                                the runner whose class is swapped; refuse the
   ``Worker.use_v2_model_runner``                        V2 runner (engine/worker.py)
-``runner.rejection_sampler`` (called as                 Cascade lossy mode: wrapped so every draft
-  ``(metadata, draft_probs, logits,                     is accepted (worker.UnverifiedAcceptance)
-  sampling_metadata)``), ``SpecDecodeMetadata
-  .{draft_token_ids, target_logits_indices}``
+``runner.rejection_sampler`` (called as                 wrapped: the greedy fast path (engine/
+  ``(metadata, draft_probs, logits,                     greedy_verify.py) and Cascade's lossy mode,
+  sampling_metadata)``), ``SpecDecodeMetadata           where every draft is accepted
+  .{draft_token_ids, num_draft_tokens, max_spec_len,    (worker.UnverifiedAcceptance)
+  cu_num_draft_tokens, target_logits_indices,
+  bonus_logits_indices}``
 ``runner.device``                                       device of draft tensors, q rows and the
                                                         drafter's metadata builders
 ``input_batch.block_table[g].{get_device_tensor(n),     block tables and KV slots of draft rows
@@ -124,6 +126,14 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
 ``SpeculativeConfig.method``'s ``Literal``              vLLM's own method names, for the unknown-
   (``__dataclass_fields__["method"].type``)             method error (plugin.py)
 ``rejection_sampler.expand_batch_to_tokens``            the CPU bug fix (plugin.py patch 4)
+``rejection_sampler.{_rejection_greedy_sample,          greedy verification without the rejection
+  PLACEHOLDER_TOKEN_ID}``, ``Sampler.greedy_sample``,    sampler's logits copies (engine/
+  ``SamplerOutput``; ``SamplingMetadata.{all_greedy,    greedy_verify.py); what may move an argmax:
+  no_penalties, bad_words_token_ids,                    the metadata fields at left, and the two
+  allowed_token_ids_mask, max_num_logprobs,             built-in non-argmax-invariant processors'
+  logprob_token_ids, logitsprocs,                       state (``MinTokensLogitsProcessor.min_toks``,
+  thinking_budget_state_holder}``,                      ``LogitBiasLogitsProcessor.biases``)
+  ``RejectionSampler.synthetic_mode``
 ``current_platform.is_cpu()``                           worker class, CPU GEMM, patch 4 on CPU only,
                                                         AdaDecode's enforce_eager check
 ``get_tp_group().world_size``,                          no collective without TP; calling vLLM's
@@ -282,6 +292,48 @@ def rejection_sampler_module():
     from vllm.v1.sample import rejection_sampler
 
     return rejection_sampler
+
+
+def greedy_verification_internals():
+    """What engine/greedy_verify.py calls to verify an all-greedy batch as vLLM's rejection
+    sampler does: vLLM's greedy argmax over logits rows (the CPU build's C++ op, ``argmax``
+    elsewhere; float32 rows), the sampler's greedy acceptance kernel (its CPU stand-in on CPU),
+    the placeholder id of unfilled output slots, and the sampler's output class."""
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler.greedy_sample, rs._rejection_greedy_sample, int(rs.PLACEHOLDER_TOKEN_ID), SamplerOutput
+
+
+def argmax_is_plain(sampling_metadata, sampler) -> bool:
+    """True when every request of the step is greedy and nothing vLLM's rejection sampler
+    (``sampler``) or sampler would apply can move a row's argmax or needs its logits: no
+    penalties, bad words, allowed-token mask, logprobs, thinking budget, synthetic acceptance,
+    and no non-argmax-invariant logits processor with a request (vLLM 0.32's built-in ones are
+    min_tokens and logit_bias; any other processor counts as active)."""
+    md = sampling_metadata
+    if not md.all_greedy or not md.no_penalties or md.bad_words_token_ids:
+        return False
+    if md.allowed_token_ids_mask is not None or md.max_num_logprobs is not None:
+        return False
+    if md.logprob_token_ids or getattr(sampler, "synthetic_mode", True):
+        return False
+    holder = md.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return False
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor,
+        MinTokensLogitsProcessor,
+    )
+
+    for proc in md.logitsprocs.non_argmax_invariant:
+        if isinstance(proc, MinTokensLogitsProcessor) and not proc.min_toks:
+            continue
+        if isinstance(proc, LogitBiasLogitsProcessor) and not proc.biases:
+            continue
+        return False
+    return True
 
 
 def vllm_cli_main():

@@ -85,6 +85,8 @@ def test_greedy_parity(model_path, vanilla, name):
         assert stats["shadow_rows"] >= 4 * 2 * len(PROMPTS) * 4
     assert stats["drafted_tokens"] > 0, "the drafter never ran"
     assert stats["accepted_tokens"] > 0, "no draft was accepted: parity proved nothing"
+    # every request is greedy: each verifying step took the one-argmax path (greedy_verify.py)
+    assert stats["greedy_verifications"] > 0 and stats["sampled_verifications"] == 0
     if name == "vocab":
         # full-depth drafts miss only where the target's token is outside the 4096 (and the
         # drafts after it); a wrong column -> token mapping would reject nearly everything

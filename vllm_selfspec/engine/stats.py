@@ -73,6 +73,10 @@ class EngineStats:
     placeholder_drafts: int = 0
     # rounds of sampled requests with their own seed, decoded without drafts (reproducibility)
     seeded_rounds: int = 0
+    # verifying steps: all-greedy ones verified by one argmax per logits row (greedy_verify.py),
+    # and those that went through vLLM's rejection sampler
+    greedy_verifications: int = 0
+    sampled_verifications: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -115,6 +119,8 @@ class EngineStats:
             "draft_probs_missing": self.draft_probs_missing,
             "placeholder_drafts": self.placeholder_drafts,
             "seeded_rounds": self.seeded_rounds,
+            "greedy_verifications": self.greedy_verifications,
+            "sampled_verifications": self.sampled_verifications,
             "lookup_accepted_tokens": self.lookup_accepted,
             # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
             # the target (one per request and verification)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from .. import compat
+from .greedy_verify import GreedyVerification
 from .proposer import SelfSpecProposer
 from .stats import builtin
 
@@ -199,6 +200,7 @@ class SelfSpecWorker(_BaseWorker):
         drafter = getattr(runner, "drafter", None)
         if isinstance(drafter, SelfSpecProposer):
             drafter.bind_runner(runner)
+            runner.rejection_sampler = GreedyVerification(runner.rejection_sampler, drafter.stats)
             if drafter.lossy:
                 runner.rejection_sampler = UnverifiedAcceptance(runner.rejection_sampler)
             if drafter.capture_layers:  # must be set before load_model()
