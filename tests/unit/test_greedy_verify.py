@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from vllm_selfspec import compat
 from vllm_selfspec.engine.greedy_verify import GreedyVerification
 from vllm_selfspec.engine.stats import EngineStats
 
@@ -14,59 +15,7 @@ VOCAB = 1000
 
 @pytest.fixture(scope="module")
 def vllm_sampler():
-    from vllm.platforms import current_platform
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.sample.sampler import Sampler
-
-    if current_platform.is_cpu():  # vLLM's C++ stand-ins for its Triton kernels
-        current_platform.register_triton_kernel_overrides()
-    return RejectionSampler(Sampler())
-
-
-def _greedy_metadata(num_reqs: int):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    return SamplingMetadata(
-        temperature=None,
-        all_greedy=True,
-        all_random=False,
-        top_p=None,
-        top_k=None,
-        generators={},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(num_reqs),
-        presence_penalties=torch.zeros(num_reqs),
-        repetition_penalties=torch.ones(num_reqs),
-        output_token_ids=[[] for _ in range(num_reqs)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-        spec_token_ids=[[] for _ in range(num_reqs)],
-    )
-
-
-def _metadata(drafts: list[list[int]]):
-    """vLLM's SpecDecodeMetadata of a step verifying ``drafts`` (its ``make_dummy`` leaves the
-    row indices at 0): request i's rows are its draft positions, then its bonus position."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    counts = [len(d) for d in drafts]
-    starts = [sum(counts[:i]) + i for i in range(len(counts))]
-    target = [s + j for s, n in zip(starts, counts) for j in range(n)]
-    bonus = [s + n for s, n in zip(starts, counts)]
-    i32 = dict(dtype=torch.int32)
-    return SpecDecodeMetadata(
-        draft_token_ids=torch.tensor([t for d in drafts for t in d], **i32),
-        num_draft_tokens=counts,
-        cu_num_draft_tokens=torch.tensor(counts, **i32).cumsum(0, dtype=torch.int32),
-        cu_num_sampled_tokens=torch.tensor([n + 1 for n in counts], **i32).cumsum(0, dtype=torch.int32),
-        target_logits_indices=torch.tensor(target, **i32),
-        bonus_logits_indices=torch.tensor(bonus, **i32),
-        logits_indices=torch.arange(sum(counts) + len(counts), **i32),
-    )
+    return compat.cpu_rejection_sampler()
 
 
 def _step(rng: random.Random, num_reqs: int, max_drafts: int):
@@ -74,7 +23,11 @@ def _step(rng: random.Random, num_reqs: int, max_drafts: int):
     prefix of the rows' argmax then a miss (a placeholder -1 sometimes); ties in some rows."""
     counts = [rng.randint(0, max_drafts) for _ in range(num_reqs)]
     counts[rng.randrange(num_reqs)] = rng.randint(1, max_drafts)
-    logits = torch.randn(sum(counts) + num_reqs, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    logits = torch.randn(
+        sum(counts) + num_reqs,
+        VOCAB,
+        generator=torch.Generator().manual_seed(rng.randrange(1 << 30)),
+    )
     for row in rng.sample(range(logits.shape[0]), k=logits.shape[0] // 3):
         a, b = rng.sample(range(VOCAB), 2)  # two equal maxima: the first index wins
         logits[row, a] = logits[row, b] = logits[row].max() + 1
@@ -90,7 +43,7 @@ def _step(rng: random.Random, num_reqs: int, max_drafts: int):
                 ids.append(-1 if rng.random() < 0.2 else (best + rng.randint(1, VOCAB - 1)) % VOCAB)
         drafts.append(ids)
         row += n + 1
-    return _metadata(drafts), logits
+    return compat.spec_decode_metadata(drafts), logits
 
 
 @pytest.mark.parametrize("num_reqs, max_drafts", [(1, 1), (1, 6), (3, 2), (8, 4), (9, 7), (16, 12)])
@@ -100,7 +53,7 @@ def test_greedy_verification_emits_vllms_tokens(vllm_sampler, num_reqs, max_draf
     fast = GreedyVerification(vllm_sampler, stats)
     for _ in range(20):
         metadata, logits = _step(rng, num_reqs, max_drafts)
-        md = _greedy_metadata(num_reqs)
+        md = compat.greedy_sampling_metadata(num_reqs)
         want = vllm_sampler(metadata, None, logits.clone(), md).sampled_token_ids
         got = fast(metadata, None, logits.clone(), md)
         assert got.logprobs_tensors is None
@@ -110,7 +63,7 @@ def test_greedy_verification_emits_vllms_tokens(vllm_sampler, num_reqs, max_draf
 
 
 def test_the_example_of_the_module_docstring(vllm_sampler):
-    metadata = _metadata([[5, 7, 9], [4]])
+    metadata = compat.spec_decode_metadata([[5, 7, 9], [4]])
     logits = torch.zeros(6, 10)
     for row, best in enumerate([5, 7, 2, 8, 4, 6]):
         logits[row, best] = 1.0
@@ -121,25 +74,22 @@ def test_the_example_of_the_module_docstring(vllm_sampler):
 def test_bf16_logits_take_their_float32_argmax(vllm_sampler):
     metadata, logits = _step(random.Random(3), 4, 3)
     logits = logits.bfloat16()
-    md = _greedy_metadata(4)
+    md = compat.greedy_sampling_metadata(4)
     want = vllm_sampler(metadata, None, logits.clone(), md).sampled_token_ids
     got = GreedyVerification(vllm_sampler, EngineStats())(metadata, None, logits.clone(), md)
     assert torch.equal(got.sampled_token_ids, want)
 
 
 def _with_logit_bias(md, biases):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
-
-    proc = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    proc.biases = biases
-    return replace(md, logitsprocs=LogitsProcessors([proc]))
+    return replace(md, logitsprocs=compat.logit_bias_processors(biases))
 
 
 @pytest.mark.parametrize(
     "change",
     [
-        lambda md: replace(md, all_greedy=False, temperature=torch.zeros(md.repetition_penalties.shape[0])),
+        lambda md: replace(
+            md, all_greedy=False, temperature=torch.zeros(md.repetition_penalties.shape[0])
+        ),
         lambda md: replace(md, no_penalties=False),
         lambda md: replace(md, bad_words_token_ids={0: [[3]]}),
         lambda md: replace(md, max_num_logprobs=2),
@@ -159,14 +109,16 @@ def test_what_may_move_an_argmax_goes_to_vllms_sampler(change):
 
     stats = EngineStats()
     fast = GreedyVerification(Recorder(), stats)
-    md = _greedy_metadata(2)
+    md = compat.greedy_sampling_metadata(2)
     assert fast(None, None, None, change(md)) == "vllm's"
     assert len(calls) == 1 and stats.sampled_verifications == 1 and stats.greedy_verifications == 0
 
 
 def test_idle_builtin_processors_keep_the_fast_path(vllm_sampler):
     metadata, logits = _step(random.Random(5), 3, 3)
-    md = _with_logit_bias(_greedy_metadata(3), {})  # a logit_bias processor with no request
+    md = _with_logit_bias(
+        compat.greedy_sampling_metadata(3), {}
+    )  # a logit_bias processor with no request
     stats = EngineStats()
     GreedyVerification(vllm_sampler, stats)(metadata, None, logits, md)
     assert stats.greedy_verifications == 1
