@@ -85,6 +85,15 @@ COUNTERS = {
         "Rounds of sampled requests with their own seed, decoded without drafts so that their "
         "output is reproducible run to run.",
     ),
+    "greedy_verifications": (
+        "greedy_verifications",
+        "Verifying steps of greedy requests only, verified by one argmax per logits row.",
+    ),
+    "sampled_verifications": (
+        "sampled_verifications",
+        "Verifying steps that went through vLLM's rejection sampler (sampled requests, "
+        "penalties, logit_bias, logprobs, ...).",
+    ),
     "controller_cut_tokens": (
         "controller_cut_tokens",
         "Draft tokens the policies proposed that the goodput controller did not let run.",
