@@ -116,9 +116,8 @@ def test_what_may_move_an_argmax_goes_to_vllms_sampler(change):
 
 def test_idle_builtin_processors_keep_the_fast_path(vllm_sampler):
     metadata, logits = _step(random.Random(5), 3, 3)
-    md = _with_logit_bias(
-        compat.greedy_sampling_metadata(3), {}
-    )  # a logit_bias processor with no request
+    # a logit_bias processor that no request uses
+    md = _with_logit_bias(compat.greedy_sampling_metadata(3), {})
     stats = EngineStats()
     GreedyVerification(vllm_sampler, stats)(metadata, None, logits, md)
     assert stats.greedy_verifications == 1
