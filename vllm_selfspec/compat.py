@@ -401,18 +401,18 @@ def argmax_is_plain(sampling_metadata, sampler) -> bool:
     holder = md.thinking_budget_state_holder
     if holder is not None and holder.has_tracked_requests():
         return False
-    from vllm.v1.sample.logits_processor.builtin import (
-        LogitBiasLogitsProcessor,
-        MinTokensLogitsProcessor,
-    )
+    return all(_idle_processor(proc) for proc in md.logitsprocs.non_argmax_invariant)
 
-    for proc in md.logitsprocs.non_argmax_invariant:
-        if isinstance(proc, MinTokensLogitsProcessor) and not proc.min_toks:
-            continue
-        if isinstance(proc, LogitBiasLogitsProcessor) and not proc.biases:
-            continue
-        return False
-    return True
+
+def _idle_processor(proc) -> bool:
+    """A built-in min_tokens or logit_bias processor that no request of the batch uses."""
+    from vllm.v1.sample.logits_processor import builtin
+
+    if type(proc) is builtin.MinTokensLogitsProcessor:
+        return not proc.min_toks
+    if type(proc) is builtin.LogitBiasLogitsProcessor:
+        return not proc.biases
+    return False
 
 
 def vllm_cli_main():
