@@ -1,7 +1,7 @@
 """What verifying a greedy batch's drafts costs: vLLM's rejection sampler against the one-argmax
 path of ``vllm_selfspec/engine/greedy_verify.py``, on random logits of the embedded model's
 vocabulary (49,152), one thread, as an engine's worker runs it. Each call gets a fresh copy of
-the logits (the rejection sampler may write into them); the copy is timed apart and left out.
+the logits (the rejection sampler may write into them), made before the clock starts.
 
     python benchmarks/verify_cost.py [--vocab 49152] [--repeats 50]
 

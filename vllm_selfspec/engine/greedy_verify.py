@@ -5,7 +5,8 @@ positions, then its bonus position), gathers the bonus rows into a new tensor an
 gathers the draft rows into another, clones that one for its logits processors, takes a
 ``torch.argmax`` over it and runs its greedy acceptance kernel. When every request is greedy and
 nothing can move an argmax (``compat.argmax_is_plain``: no penalties, bad words, allowed-token
-mask, active min_tokens / logit_bias, logprobs), all of that is one argmax per row. This wrapper
+mask, active min_tokens / logit_bias, logprobs, thinking budget), all of that is one argmax
+per row. This wrapper
 takes that path: vLLM's own greedy argmax (on CPU its C++ op, ~3x faster than ``torch.argmax``)
 once over all rows, then vLLM's own acceptance kernel on the draft rows' argmax and the bonus
 rows'. Any other batch goes to vLLM's sampler unchanged.
