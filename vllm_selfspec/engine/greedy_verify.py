@@ -6,10 +6,9 @@ gathers the draft rows into another, clones that one for its logits processors, 
 ``torch.argmax`` over it and runs its greedy acceptance kernel. When every request is greedy and
 nothing can move an argmax (``compat.argmax_is_plain``: no penalties, bad words, allowed-token
 mask, active min_tokens / logit_bias, logprobs, thinking budget), all of that is one argmax
-per row. This wrapper
-takes that path: vLLM's own greedy argmax (on CPU its C++ op, ~3x faster than ``torch.argmax``)
-once over all rows, then vLLM's own acceptance kernel on the draft rows' argmax and the bonus
-rows'. Any other batch goes to vLLM's sampler unchanged.
+per row. This wrapper takes that path: vLLM's own greedy argmax (on CPU its C++ op, ~3x faster
+than ``torch.argmax``) once over all rows, then vLLM's own acceptance kernel on the draft rows'
+argmax and the bonus rows'. Any other batch goes to vLLM's sampler unchanged.
 
 Same tokens as vLLM's path: an argmax does not depend on which tensor holds the row, and both
 paths take the first index of the maximum (on CPU vLLM's own bonus row already uses the C++ op).
