@@ -35,6 +35,7 @@ from ..goodput import (
     GoodputController,
     SearchBudget,
     StepCostModel,
+    finishing_last,
     prefer_free,
 )
 from ..heads import identity_from_tensors, load_heads
@@ -128,6 +129,9 @@ class SelfSpecProposer:
         #: projections (DEL's) each take at most a share of the time: a shadow row is a full
         #: LM-head projection per exit, dearer than the target's whole stack on a large-vocabulary
         #: model (Gemma-3-270M: 8% of DEL's time without this budget, docs/benchmarks.md)
+        #: once no request waits for a slot, only the requests that would finish last draft
+        #: ("makespan", the offline LLM's default: plugin.translate_engine_args resolves "auto")
+        self.makespan = self.controller is not None and self.config.objective == "makespan"
         self.search_budget = SearchBudget() if self.controller is not None else None
         self.shadow_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
@@ -385,6 +389,7 @@ class SelfSpecProposer:
         # depends on timing (the controller) and the batch, so its output would not be
         # reproducible run to run, as vanilla vLLM's is (vLLM keeps only such rows' generators)
         seeded = sampling_metadata.generators
+        last = self._finishing_last(runner, scheduler_output)
         with st.timer("policy"):
             for i, req_id, state in entries:
                 n = int(num_tokens[i])
@@ -402,6 +407,9 @@ class SelfSpecProposer:
                     outputs = n - int(ib.num_prompt_tokens[i])
                     if outputs < min_tokens:
                         room = min(room, min_tokens - 1 - outputs)
+                if last is not None and not last[i] and room > 0:
+                    room = 0  # the batch does not wait for this request (_finishing_last)
+                    st.drain_held_rounds += 1
                 g = min(decision.num_tokens, room)
                 active.append((i, decision, max(g, 0)))
                 if self.lookup and room > 0:
@@ -435,6 +443,25 @@ class SelfSpecProposer:
         return drafts
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
+    def _finishing_last(self, runner, scheduler_output) -> list[bool] | None:
+        """Per batch row, whether its request may draft this step: under the ``makespan``
+        objective with no request waiting for a slot, only the requests with the most tokens
+        left (``goodput.finishing_last``, prefilling ones included); None: every request may
+        (a request waits, the ``latency`` objective, or the scheduler did not say)."""
+        if not self.makespan or getattr(scheduler_output, compat.WAITING_ATTR, 1) != 0:
+            return None
+        ib = runner.input_batch
+        self.stats.drain_steps += 1
+        remaining = []
+        for i, req_id in enumerate(ib.req_ids):
+            n = int(ib.num_tokens_no_spec[i])
+            left = self.max_model_len - n
+            max_tokens = runner.requests[req_id].sampling_params.max_tokens
+            if max_tokens is not None:
+                left = min(left, max_tokens - (n - int(ib.num_prompt_tokens[i])))
+            remaining.append(left)
+        return finishing_last(remaining)
+
     def _feedback_due(self) -> tuple[bool, bool]:
         """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
         and shadow projections, a plan search). Without the controller always; with it, around
