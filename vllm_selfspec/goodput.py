@@ -520,25 +520,29 @@ def prefer_free(free: Candidate, paid: Candidate, verify_seconds: float) -> bool
     return float(free.accept[0]) * paid_cost >= float(paid.accept[0]) * verify_seconds
 
 
-def finishing_last(remaining: list[int]) -> list[bool]:
+def finishing_last(remaining: list[int], rate: float) -> list[bool]:
     """Which requests of a closed batch may draft once no request waits for a slot (the
-    ``makespan`` objective): those with the most tokens left, the ones the batch would end with.
+    ``makespan`` objective): those that could still be the last to finish.
 
     With a request waiting, a request that finishes sooner frees its slot for it, so every
     accepted draft is throughput, as ``GoodputController.choose`` prices it. With none waiting
-    the batch is done when its last request is: an accepted draft of any other request only takes
-    that request's row out of one later step, which saves about what verifying one draft token
-    costs (both are one more token in a forward), so its drafts cannot pay however often they
-    are accepted. Drafts of the requests with the most tokens left are the ones that bring the
-    end closer; once they have caught up with the next ones, those draft too, and the batch ends
-    together, as plain decoding's does. (Requests may end sooner, at a stop token: the tokens
-    left are those ``max_tokens`` and the model length allow.)
+    the batch is done when its last request is: an accepted draft of a request that finishes
+    before the last one only takes its row out of one later step, which saves about what
+    verifying one draft token costs (both are one more token in a forward), so its drafts cannot
+    pay however often they are accepted. The request with the most tokens left, drafting at
+    ``rate`` tokens a step (what drafting rounds emit, measured), needs ``max / rate`` more steps
+    at least; a request with no more tokens left than that ends in time decoding plainly, one a
+    step, and does not draft; the others do (and those with the most left always). As the last
+    ones catch up the bar falls and more draft, and the batch ends together, as plain
+    decoding's does. (Requests may end sooner, at a stop token: the tokens left are those
+    ``max_tokens`` and the model length allow.)
 
-    >>> finishing_last([12, 30, 30, 5])
-    [False, True, True, False]
+    >>> finishing_last([20, 30, 12, 5], rate=2.0)  # 30 tokens at 2 a step: 15 steps
+    [True, True, False, False]
     """
     most = max(remaining, default=0)
-    return [r >= most for r in remaining]
+    bar = most / max(rate, 1.0)
+    return [r >= most or r > bar for r in remaining]
 
 
 @dataclass

@@ -88,6 +88,9 @@ def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) ->
 class SelfSpecProposer:
     """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
 
+    #: the weight of the newest drafting round in ``round_rate``
+    ROUND_RATE_WEIGHT = 0.05
+
     def __init__(self, vllm_config) -> None:
         opts = compat.selfspec_options(vllm_config)
         if opts is None:
@@ -132,6 +135,9 @@ class SelfSpecProposer:
         #: once no request waits for a slot, only the requests that would finish last draft
         #: ("makespan", the offline LLM's default: plugin.translate_engine_args resolves "auto")
         self.makespan = self.controller is not None and self.config.objective == "makespan"
+        #: tokens a drafting round emits (accepted drafts + 1), a running mean (weight
+        #: ``ROUND_RATE_WEIGHT`` for the newest round); until measured, every draft accepted
+        self.round_rate = float(self.k + 1)
         self.search_budget = SearchBudget() if self.controller is not None else None
         self.shadow_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
@@ -352,6 +358,8 @@ class SelfSpecProposer:
                 else:
                     self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
                 emitted += len(sampled)
+                if n_drafted:
+                    self.round_rate += self.ROUND_RATE_WEIGHT * (len(sampled) - self.round_rate)
                 st.generated_tokens += len(sampled)
                 st.target_rounds += 1
                 st.target_layers += L
@@ -445,9 +453,10 @@ class SelfSpecProposer:
     # ---- how much to draft: context lookup and the goodput controller ------------------------
     def _finishing_last(self, runner, scheduler_output) -> list[bool] | None:
         """Per batch row, whether its request may draft this step: under the ``makespan``
-        objective with no request waiting for a slot, only the requests with the most tokens
-        left (``goodput.finishing_last``, prefilling ones included); None: every request may
-        (a request waits, the ``latency`` objective, or the scheduler did not say)."""
+        objective with no request waiting for a slot, only the requests that could still finish
+        last, drafting at ``round_rate`` tokens a round (``goodput.finishing_last``; prefilling
+        requests count); None: every request may (a request waits, the ``latency`` objective,
+        or the scheduler did not say)."""
         if not self.makespan or getattr(scheduler_output, compat.WAITING_ATTR, 1) != 0:
             return None
         ib = runner.input_batch
@@ -460,7 +469,7 @@ class SelfSpecProposer:
             if max_tokens is not None:
                 left = min(left, max_tokens - (n - int(ib.num_prompt_tokens[i])))
             remaining.append(left)
-        return finishing_last(remaining)
+        return finishing_last(remaining, self.round_rate)
 
     def _feedback_due(self) -> tuple[bool, bool]:
         """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
