@@ -520,7 +520,7 @@ def prefer_free(free: Candidate, paid: Candidate, verify_seconds: float) -> bool
     return float(free.accept[0]) * paid_cost >= float(paid.accept[0]) * verify_seconds
 
 
-def finishing_last(remaining: list[int], rate: float) -> list[bool]:
+def finishing_last(remaining: list[int], rates: list[float]) -> list[bool]:
     """Which requests of a closed batch may draft once no request waits for a slot (the
     ``makespan`` objective): those that could still be the last to finish.
 
@@ -529,20 +529,20 @@ def finishing_last(remaining: list[int], rate: float) -> list[bool]:
     the batch is done when its last request is: an accepted draft of a request that finishes
     before the last one only takes its row out of one later step, which saves about what
     verifying one draft token costs (both are one more token in a forward), so its drafts cannot
-    pay however often they are accepted. The request with the most tokens left, drafting at
-    ``rate`` tokens a step (what drafting rounds emit, measured), needs ``max / rate`` more steps
-    at least; a request with no more tokens left than that ends in time decoding plainly, one a
-    step, and does not draft; the others do (and those with the most left always). As the last
-    ones catch up the bar falls and more draft, and the batch ends together, as plain
-    decoding's does. (Requests may end sooner, at a stop token: the tokens left are those
-    ``max_tokens`` and the model length allow.)
+    pay however often they are accepted. Request i, with ``remaining[i]`` tokens left at
+    ``rates[i]`` tokens a step (as measured while it may draft), needs ``remaining / rate``
+    steps; the batch cannot end before the slowest of these. A request that gets there as soon
+    decoding plainly, one token a step, need not draft; the others do, and so does the slowest.
+    As the last ones catch up the end comes closer and more of them draft, and the batch ends
+    together, as plain decoding's does. (Requests may end sooner, at a stop token: the tokens
+    left are those ``max_tokens`` and the model length allow.)
 
-    >>> finishing_last([20, 30, 12, 5], rate=2.0)  # 30 tokens at 2 a step: 15 steps
+    >>> finishing_last([20, 30, 12, 5], rates=[2.0, 2.0, 1.0, 3.0])  # 15 steps at least
     [True, True, False, False]
     """
-    most = max(remaining, default=0)
-    bar = most / max(rate, 1.0)
-    return [r >= most or r > bar for r in remaining]
+    ends = [r / max(rate, 1.0) for r, rate in zip(remaining, rates)]
+    end = max(ends, default=0.0)
+    return [r > end or e >= end for r, e in zip(remaining, ends)]
 
 
 @dataclass

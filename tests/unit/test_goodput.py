@@ -745,11 +745,13 @@ def test_a_shape_measured_on_a_noisy_machine_is_priced_by_its_mean_only_once_wel
 
 
 def test_finishing_last_lets_draft_only_requests_that_could_finish_last():
-    assert finishing_last([20, 30, 12, 5], rate=2.0) == [True, True, False, False]
-    assert finishing_last([12, 30, 30, 5], rate=1.0) == [False, True, True, False]  # no gain
-    assert finishing_last([12, 30, 30, 5], rate=3.0) == [True, True, True, False]
-    assert finishing_last([7], rate=3.0) == [True]
-    assert finishing_last([], rate=3.0) == []
+    assert finishing_last([20, 30, 12, 5], [2.0] * 4) == [True, True, False, False]
+    assert finishing_last([12, 30, 30, 5], [1.0] * 4) == [False, True, True, False]  # no gain
+    assert finishing_last([12, 30, 30, 5], [3.0] * 4) == [True, True, True, False]
+    # a request that drafts slowly sets the end (12 steps): one with 9 left is in time plainly
+    assert finishing_last([12, 16, 9], [1.0, 4.0, 1.0]) == [True, True, False]
+    assert finishing_last([7], [3.0]) == [True]
+    assert finishing_last([], []) == []
 
 
 def _drain(remaining, who_drafts, rng, k=4, p=0.6, fixed=50.0, per_token=3.0):
@@ -781,7 +783,7 @@ def test_a_drained_batch_ends_as_soon_with_only_the_last_requests_drafting_and_c
     rate = sum(p**j for j in range(5))  # tokens a drafting round emits, k = 4
     rules = {
         "all": lambda left: [True] * len(left),
-        "last": lambda left: finishing_last(left, rate),
+        "last": lambda left: finishing_last(left, [rate] * len(left)),
         "none": lambda left: [False] * len(left),
         "first": lambda left: [r <= min(left) for r in left],
     }

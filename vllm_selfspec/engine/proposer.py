@@ -88,8 +88,8 @@ def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) ->
 class SelfSpecProposer:
     """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
 
-    #: the weight of the newest drafting round in ``round_rate``
-    ROUND_RATE_WEIGHT = 0.05
+    #: the weight of the newest step in the running means of tokens per step (``step_rate``)
+    STEP_RATE_WEIGHT = 0.05
 
     def __init__(self, vllm_config) -> None:
         opts = compat.selfspec_options(vllm_config)
@@ -135,9 +135,12 @@ class SelfSpecProposer:
         #: once no request waits for a slot, only the requests that would finish last draft
         #: ("makespan", the offline LLM's default: plugin.translate_engine_args resolves "auto")
         self.makespan = self.controller is not None and self.config.objective == "makespan"
-        #: tokens a drafting round emits (accepted drafts + 1), a running mean (weight
-        #: ``ROUND_RATE_WEIGHT`` for the newest round); until measured, every draft accepted
-        self.round_rate = float(self.k + 1)
+        #: tokens a request emits per step while free to draft (not held by the makespan
+        #: objective), running means: over every request (the prior of a new one; until measured,
+        #: every draft accepted) and per request
+        self.step_rate = float(self.k + 1)
+        self._step_rates: dict[str, float] = {}
+        self._held: set[str] = set()  # requests held from drafting in the last step
         self.search_budget = SearchBudget() if self.controller is not None else None
         self.shadow_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
@@ -232,6 +235,7 @@ class SelfSpecProposer:
             self.shared_index.add(index.tokens[prompt_len:])
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
+        self._step_rates.pop(req_id, None)
         self._pending_q.pop(req_id, None)
         if self.drafter is not None:
             self.drafter.forget(req_id)
@@ -358,8 +362,8 @@ class SelfSpecProposer:
                 else:
                     self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
                 emitted += len(sampled)
-                if n_drafted:
-                    self.round_rate += self.ROUND_RATE_WEIGHT * (len(sampled) - self.round_rate)
+                if self.makespan and req_id not in self._held:
+                    self._observe_rate(req_id, len(sampled))
                 st.generated_tokens += len(sampled)
                 st.target_rounds += 1
                 st.target_layers += L
@@ -451,17 +455,24 @@ class SelfSpecProposer:
         return drafts
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
+    def _observe_rate(self, req_id: str, tokens: int) -> None:
+        w = self.STEP_RATE_WEIGHT
+        self.step_rate += w * (tokens - self.step_rate)
+        rate = self._step_rates.get(req_id, self.step_rate)
+        self._step_rates[req_id] = rate + w * (tokens - rate)
+
     def _finishing_last(self, runner, scheduler_output) -> list[bool] | None:
         """Per batch row, whether its request may draft this step: under the ``makespan``
         objective with no request waiting for a slot, only the requests that could still finish
-        last, drafting at ``round_rate`` tokens a round (``goodput.finishing_last``; prefilling
-        requests count); None: every request may (a request waits, the ``latency`` objective,
-        or the scheduler did not say)."""
+        last at the tokens per step they make (``goodput.finishing_last``; prefilling requests
+        count, at the prior); None: every request may (a request waits, the ``latency``
+        objective, or the scheduler did not say)."""
+        self._held = set()
         if not self.makespan or getattr(scheduler_output, compat.WAITING_ATTR, 1) != 0:
             return None
         ib = runner.input_batch
         self.stats.drain_steps += 1
-        remaining = []
+        remaining, rates = [], []
         for i, req_id in enumerate(ib.req_ids):
             n = int(ib.num_tokens_no_spec[i])
             left = self.max_model_len - n
@@ -469,7 +480,10 @@ class SelfSpecProposer:
             if max_tokens is not None:
                 left = min(left, max_tokens - (n - int(ib.num_prompt_tokens[i])))
             remaining.append(left)
-        return finishing_last(remaining, self.round_rate)
+            rates.append(self._step_rates.get(req_id, self.step_rate))
+        last = finishing_last(remaining, rates)
+        self._held = {r for r, ok in zip(ib.req_ids, last) if not ok}
+        return last
 
     def _feedback_due(self) -> tuple[bool, bool]:
         """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
