@@ -7,7 +7,8 @@ vLLM's rejection sampler accepted a prefix):
    the verified tokens after chosen layers (bounded: ``capture_tokens`` rows per request);
 2. policy: per request, the next ``DraftDecision`` (plan, draft length, confidence floor);
 3. how much: per request, the free context-lookup draft or the policy's self-draft, and the goodput
-   controller's draft lengths for the whole batch;
+   controller's draft lengths for the whole batch (with no request waiting for a slot, under the
+   ``makespan`` objective, only for requests that could still finish last: ``_finishing_last``);
 4. draft: the method's drafting strategy (``DRAFTERS``, drafting.py) drafts the self-drafting
    requests, one forward per draft step for the whole batch; greedy requests draft the argmax,
    sampled ones draw from ``softmax(logits / T)`` and hand that distribution to vLLM's rejection
@@ -128,11 +129,7 @@ class SelfSpecProposer:
         self._rates: dict[str, Any] = {}
         #: the batch-wide choice of draft lengths (None: each policy's own lengths)
         self.controller = GoodputController(self.costs) if self.config.goodput else None
-        #: under the controller, plan searches (KnapSpec's) and hidden-state capture with shadow
-        #: projections (DEL's) each take at most a share of the time: a shadow row is a full
-        #: LM-head projection per exit, dearer than the target's whole stack on a large-vocabulary
-        #: model (Gemma-3-270M: 8% of DEL's time without this budget, docs/benchmarks.md)
-        #: once no request waits for a slot, only the requests that would finish last draft
+        #: once no request waits for a slot, only the requests that could still finish last draft
         #: ("makespan", the offline LLM's default: plugin.translate_engine_args resolves "auto")
         self.makespan = self.controller is not None and self.config.objective == "makespan"
         #: tokens a request emits per step while free to draft (not held by the makespan
@@ -141,6 +138,10 @@ class SelfSpecProposer:
         self.step_rate = float(self.k + 1)
         self._step_rates: dict[str, float] = {}
         self._held: set[str] = set()  # requests held from drafting in the last step
+        #: under the controller, plan searches (KnapSpec's) and hidden-state capture with shadow
+        #: projections (DEL's) each take at most a share of the time: a shadow row is a full
+        #: LM-head projection per exit, dearer than the target's whole stack on a large-vocabulary
+        #: model (Gemma-3-270M: 8% of DEL's time without this budget, docs/benchmarks.md)
         self.search_budget = SearchBudget() if self.controller is not None else None
         self.shadow_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
