@@ -50,10 +50,6 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
 ``ModelRunnerOutput`` (pickled to the engine core),      drafts ride with the step's output: no
   ``Scheduler.update_from_output`` /                     ``take_draft_token_ids`` RPC per step
   ``update_draft_token_ids``, ``EngineCore.post_step``   (plugin.py patches, engine/worker.py)
-``Scheduler.schedule`` / ``get_request_counts``,       each step says how many requests wait (the
-  ``Scheduler.vllm_config``; ``AsyncEngineArgs``        ``makespan`` objective: plugin.py patch);
-  (the server's engine args)                            "auto" objective: server or offline ``LLM``
-  ``runner.requests[id].sampling_params.max_tokens``    the tokens each request has left
 ``lm_head.shard_indices``, ``logits_processor``,        the reduced draft vocabulary's LM-head rows
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 ``dispatch_cpu_unquantized_gemm``                       their GEMM on CPU: vLLM's (oneDNN, prepacked)
@@ -284,14 +280,6 @@ def engine_args_class():
     return EngineArgs
 
 
-def is_async_engine_args(args) -> bool:
-    """Engine args of vLLM's async engine (the OpenAI server, ``AsyncLLM``), where each request's
-    output is returned as it is made; the offline ``LLM`` builds plain ``EngineArgs``."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return isinstance(args, AsyncEngineArgs)
-
-
 def vllm_config_class():
     """vLLM's VllmConfig (its ``num_lookahead_tokens`` property is patched)."""
     from vllm.config import VllmConfig
@@ -447,18 +435,8 @@ def model_runner_output_class():
     return ModelRunnerOutput
 
 
-#: the attribute of a ``SchedulerOutput`` that carries how many requests the scheduler left waiting
-#: after scheduling the step (absent: not known, e.g. another scheduler class)
-WAITING_ATTR = "selfspec_waiting"
-
-
-def scheduler_waiting(scheduler) -> int:
-    """Requests a vLLM 0.32 scheduler holds that it did not schedule (waiting for a slot or KV)."""
-    return scheduler.get_request_counts()[1]
-
-
 def scheduler_class():
-    """vLLM's V1 scheduler (its ``update_from_output`` and ``schedule`` are patched)."""
+    """vLLM's V1 scheduler (its ``update_from_output`` is patched)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return Scheduler

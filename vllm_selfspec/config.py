@@ -17,12 +17,8 @@ the model's cached one, see ``vocab.py``), ``goodput`` (true: the goodput contro
 ``goodput.py`` chooses every request's draft length for the whole batch from measured costs, 0
 when drafting does not pay; false: each policy's own draft lengths, as they are), ``lookup``
 (true or ``{"max_ngram": 4, "min_ngram": 2}``: free drafts from the request's own context,
-``lookup.py``, taken where they are expected to beat the method's self-draft), ``objective``
-(what the controller serves once no request waits for a slot: "makespan", the whole batch's
-finish, where only the requests that would finish last draft; "latency", every request's own
-tokens per second; "auto": makespan for the offline ``LLM``, whose outputs come back together,
-latency for the server, which returns each request as it finishes) and the method's own options
-(``policies/<method>.py``).
+``lookup.py``, taken where they are expected to beat the method's self-draft) and the method's
+own options (``policies/<method>.py``).
 """
 
 from __future__ import annotations
@@ -48,10 +44,7 @@ COMMON_OPTIONS: dict[str, Any] = {
     "draft_vocab": "auto",
     "goodput": True,
     "lookup": False,
-    "objective": "auto",
 }
-#: ``objective`` values ("auto" is resolved to one of the others where the engine is built)
-OBJECTIVES = ("auto", "makespan", "latency")
 #: draft_vocab_size "auto": the reduced vocabulary measured best on the embedded model
 #: (docs/benchmarks.md, "Cheap draft steps")
 AUTO_DRAFT_VOCAB_SIZE = 8192
@@ -60,12 +53,7 @@ MAX_SPECULATIVE_TOKENS = 128
 #: ``method: "auto"``: context lookup + the strongest self-drafter this model has what it needs
 #: for (``auto_method``), under the goodput controller; it takes only these options
 AUTO = "auto"
-AUTO_OPTIONS: dict[str, Any] = {
-    "num_speculative_tokens": 6,
-    "goodput": True,
-    "lookup": True,
-    "objective": "auto",
-}
+AUTO_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 6, "goodput": True, "lookup": True}
 
 
 def methods() -> list[str]:
@@ -199,7 +187,6 @@ class SelfSpecConfig:
     draft_vocab: str | None = "auto"  # a map directory once resolved
     goodput: bool = True  # the batch-wide goodput controller caps every draft length
     lookup: dict[str, Any] = field(default_factory=dict)  # context-lookup options ({}: off)
-    objective: str = "auto"  # once no request waits: "makespan" or "latency" (OBJECTIVES)
 
     @classmethod
     def load(cls, spec: Any) -> SelfSpecConfig:
@@ -255,11 +242,6 @@ class SelfSpecConfig:
         goodput = merged.pop("goodput")
         if not isinstance(goodput, bool):
             raise SelfSpecConfigError(f"goodput must be true or false, got {goodput!r}")
-        objective = merged.pop("objective")
-        if objective not in OBJECTIVES:
-            raise SelfSpecConfigError(
-                f"objective must be one of {list(OBJECTIVES)}, got {objective!r}"
-            )
         try:
             lookup = check_lookup(merged.pop("lookup"))
         except ValueError as e:
@@ -283,7 +265,6 @@ class SelfSpecConfig:
             draft_vocab=vocab,
             goodput=goodput,
             lookup=lookup,
-            objective=objective,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -295,7 +276,6 @@ class SelfSpecConfig:
             "draft_vocab": self.draft_vocab,
             "goodput": self.goodput,
             "lookup": self.lookup or False,
-            "objective": self.objective,
             **self.options,
         }
 
@@ -376,7 +356,6 @@ class SelfSpecConfig:
                     "num_speculative_tokens": self.num_speculative_tokens,
                     "goodput": self.goodput,
                     "lookup": self.lookup or False,
-                    "objective": self.objective,
                 }
             ).resolved(model_path)
         options = self._resolved_heads(model_path)
@@ -405,7 +384,6 @@ class SelfSpecConfig:
             vocab,
             self.goodput,
             self.lookup,
-            self.objective,
         )
 
     def _resolved_heads(self, model_path: str) -> dict[str, Any]:

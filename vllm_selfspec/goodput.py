@@ -520,31 +520,6 @@ def prefer_free(free: Candidate, paid: Candidate, verify_seconds: float) -> bool
     return float(free.accept[0]) * paid_cost >= float(paid.accept[0]) * verify_seconds
 
 
-def finishing_last(remaining: list[int], rates: list[float]) -> list[bool]:
-    """Which requests of a closed batch may draft once no request waits for a slot (the
-    ``makespan`` objective): those that could still be the last to finish.
-
-    With a request waiting, a request that finishes sooner frees its slot for it, so every
-    accepted draft is throughput, as ``GoodputController.choose`` prices it. With none waiting
-    the batch is done when its last request is: an accepted draft of a request that finishes
-    before the last one only takes its row out of one later step, which saves about what
-    verifying one draft token costs (both are one more token in a forward), so its drafts cannot
-    pay however often they are accepted. Request i, with ``remaining[i]`` tokens left at
-    ``rates[i]`` tokens a step (as measured while it may draft), needs ``remaining / rate``
-    steps; the batch cannot end before the slowest of these. A request that gets there as soon
-    decoding plainly, one token a step, need not draft; the others do, and so does the slowest.
-    As the last ones catch up the end comes closer and more of them draft, and the batch ends
-    together, as plain decoding's does. (Requests may end sooner, at a stop token: the tokens
-    left are those ``max_tokens`` and the model length allow.)
-
-    >>> finishing_last([20, 30, 12, 5], rates=[2.0, 2.0, 1.0, 3.0])  # 15 steps at least
-    [True, True, False, False]
-    """
-    ends = [r / max(rate, 1.0) for r, rate in zip(remaining, rates)]
-    end = max(ends, default=0.0)
-    return [r > end or e >= end for r, e in zip(remaining, ends)]
-
-
 @dataclass
 class Choice:
     tokens: list[int]  # draft length per candidate

@@ -94,14 +94,6 @@ COUNTERS = {
         "Verifying steps that went through vLLM's rejection sampler (sampled requests, "
         "penalties, logit_bias, logprobs, ...).",
     ),
-    "drain_steps": (
-        "drain_steps",
-        "Steps with no request waiting for a slot, under the makespan objective.",
-    ),
-    "drain_held_rounds": (
-        "drain_held_rounds",
-        "Request rounds held from drafting in such steps: the request would not finish last.",
-    ),
     "controller_cut_tokens": (
         "controller_cut_tokens",
         "Draft tokens the policies proposed that the goodput controller did not let run.",

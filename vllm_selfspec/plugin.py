@@ -4,7 +4,7 @@
 patch is a ``Patch`` declaration in ``PATCHES`` below (what it replaces, why, and a function
 from vLLM's original to the replacement); ``apply`` installs one, logs it at INFO once per process,
 and refuses a second, different patch of an attribute already patched. ``register()`` applies
-the first seven (the fourth on CPU only); the eighth is applied where a selfspec engine config is
+the first six (the fourth on CPU only); the seventh is applied where a selfspec engine config is
 built, so only in the process that serves it:
 
 1. ``EngineArgs.create_engine_config``: when the speculative config names a selfspec method,
@@ -27,12 +27,7 @@ built, so only in the process that serves it:
    and the engine core skips the ``take_draft_token_ids`` RPC that vLLM sends every step after
    it (one round trip to the worker process per step, ~0.5 ms: docs/benchmarks.md, "Do no
    harm"). An output without the attribute (any other engine) changes nothing.
-7. ``Scheduler.schedule``: the step's ``SchedulerOutput`` also says how many requests still wait
-   for a slot (``compat.WAITING_ATTR``), which the workers cannot see otherwise: with none
-   waiting, a closed batch (the offline ``LLM``) ends when its last request does, and the
-   controller drafts only for the requests that would finish last (``goodput.finishing_last``).
-   Only a selfspec engine's scheduler sets it.
-8. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
+7. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 
 Every vLLM class and module patched here comes from ``compat.py``. The second entry point,
@@ -43,7 +38,6 @@ Every vLLM class and module patched here comes from ``compat.py``. The second en
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -148,9 +142,6 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
             )
         return None
     cfg = SelfSpecConfig.load(spec)
-    if cfg.objective == "auto":  # the server returns each request as it ends, LLM all at once
-        objective = "latency" if compat.is_async_engine_args(args) else "makespan"
-        cfg = dataclasses.replace(cfg, objective=objective)
     if args.worker_cls not in ("auto", compat.WORKER_CLS):
         raise SelfSpecConfigError(
             f"selfspec wires its own worker class; remove worker_cls={args.worker_cls!r}"
@@ -280,18 +271,7 @@ def _post_step(orig):
     return post_step
 
 
-# ---- 7. how many requests wait, for the workers ---------------------------------------------
-def _schedule(orig):
-    def schedule(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        if is_selfspec_vllm_config(self.vllm_config):
-            setattr(out, compat.WAITING_ATTR, compat.scheduler_waiting(self))
-        return out
-
-    return schedule
-
-
-# ---- 8. selfspec metrics on the OpenAI server's /metrics -------------------------------------
+# ---- 7. selfspec metrics on the OpenAI server's /metrics -------------------------------------
 def _async_llm_init(orig):
     def __init__(self, vllm_config, *args, **kwargs):
         orig(self, vllm_config, *args, **kwargs)
@@ -309,7 +289,7 @@ ASYNC_LLM_METRICS = Patch(
     "selfspec stats on the OpenAI server's /metrics",
     _async_llm_init,
 )
-#: the patches ``register()`` applies in every vLLM process (1-7 of the module docstring)
+#: the patches ``register()`` applies in every vLLM process (1-6 of the module docstring)
 AT_START = (
     Patch(
         compat.engine_args_class,
@@ -348,12 +328,6 @@ AT_START = (
         "post_step",
         "skip the take_draft_token_ids RPC when the drafts came with the output",
         _post_step,
-    ),
-    Patch(
-        compat.scheduler_class,
-        "schedule",
-        "each step's scheduler output says how many requests still wait (for the drafter)",
-        _schedule,
     ),
 )
 #: every patch, in the order of the module docstring

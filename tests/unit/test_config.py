@@ -40,7 +40,6 @@ def test_detection():
         ({"method": "adadecode", "lookup": True}, "cannot be combined with adadecode"),
         ({"method": "cascade", "lossy": True, "lookup": True}, "unverified"),
         ({"method": "auto", "exit_layer": 3}, "it chooses the method itself"),
-        ({"method": "layerskip", "objective": "throughput"}, "objective must be one of"),
         ("{not json", "not valid JSON"),
     ],
 )
@@ -93,13 +92,4 @@ def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_p
 def test_goodput_and_lookup_round_trip():
     cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False, "lookup": {"max_ngram": 3}})
     assert not cfg.goodput and cfg.lookup == {"max_ngram": 3, "min_ngram": 1, "shared": True}
-    assert SelfSpecConfig.load(cfg.to_dict()) == cfg
-
-
-def test_objective_round_trips_and_auto_passes_it_on(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
-    assert SelfSpecConfig.load({"method": "layerskip"}).objective == "auto"
-    cfg = SelfSpecConfig.load({"method": "auto", "objective": "latency"})
-    assert cfg.resolved(str(tmp_path)).objective == "latency"
-    cfg = SelfSpecConfig.load({"method": "layerskip", "objective": "makespan"})
     assert SelfSpecConfig.load(cfg.to_dict()) == cfg

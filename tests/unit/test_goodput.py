@@ -14,7 +14,6 @@ from vllm_selfspec.goodput import (
     PlainReference,
     SearchBudget,
     StepCostModel,
-    finishing_last,
 )
 
 
@@ -742,62 +741,3 @@ def test_a_shape_measured_on_a_noisy_machine_is_priced_by_its_mean_only_once_wel
     assert noisy > steady + 0.001
     many = _shape_samples([0.006, -0.006] * 40).verify_excess(8, 1)
     assert steady < many < steady + 0.0015
-
-
-def test_finishing_last_lets_draft_only_requests_that_could_finish_last():
-    assert finishing_last([20, 30, 12, 5], [2.0] * 4) == [True, True, False, False]
-    assert finishing_last([12, 30, 30, 5], [1.0] * 4) == [False, True, True, False]  # no gain
-    assert finishing_last([12, 30, 30, 5], [3.0] * 4) == [True, True, True, False]
-    # a request that drafts slowly sets the end (12 steps): one with 9 left is in time plainly
-    assert finishing_last([12, 16, 9], [1.0, 4.0, 1.0]) == [True, True, False]
-    assert finishing_last([7], [3.0]) == [True]
-    assert finishing_last([], []) == []
-
-
-def _drain(remaining, who_drafts, rng, k=4, p=0.6, fixed=50.0, per_token=3.0):
-    """A closed batch with no request waiting, run to its end: each step costs ``fixed`` plus
-    ``per_token`` per row and per verified draft token; a drafting request drafts ``k`` tokens,
-    each accepted with probability ``p`` after the ones before it. Returns (seconds, steps)."""
-    left = list(remaining)
-    seconds = steps = 0
-    while any(r > 0 for r in left):
-        live = [i for i, r in enumerate(left) if r > 0]
-        drafting = who_drafts([left[i] for i in live])
-        seconds += fixed + per_token * len(live)
-        for i, drafts in zip(live, drafting):
-            emitted = 1
-            if drafts:
-                seconds += per_token * k
-                while emitted <= k and rng.random() < p:
-                    emitted += 1
-            left[i] = max(left[i] - emitted, 0)
-        steps += 1
-    return seconds, steps
-
-
-@pytest.mark.parametrize("p", [0.3, 0.6, 0.85])
-def test_a_drained_batch_ends_as_soon_with_only_the_last_requests_drafting_and_costs_less(p):
-    """The mechanism behind the makespan objective: with nobody waiting, drafts of requests that
-    finish before the last one buy nothing, so the batch ends about as soon while verifying
-    fewer tokens. (Drafting the requests that finish first, or none, ends later.)"""
-    rate = sum(p**j for j in range(5))  # tokens a drafting round emits, k = 4
-    rules = {
-        "all": lambda left: [True] * len(left),
-        "last": lambda left: finishing_last(left, [rate] * len(left)),
-        "none": lambda left: [False] * len(left),
-        "first": lambda left: [r <= min(left) for r in left],
-    }
-    seconds = dict.fromkeys(rules, 0.0)
-    steps = dict.fromkeys(rules, 0)
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        remaining = rng.integers(10, 49, size=8).tolist()
-        for name, rule in rules.items():
-            s, n = _drain(remaining, rule, rng, p=p)
-            seconds[name] += s
-            steps[name] += n
-    assert steps["last"] <= 1.02 * steps["all"]
-    assert seconds["last"] < 0.96 * seconds["all"]
-    assert seconds["last"] < seconds["first"]
-    if p > 0.5:  # where drafting pays at all
-        assert seconds["last"] < 0.85 * seconds["none"]

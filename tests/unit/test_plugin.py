@@ -164,37 +164,3 @@ def test_drafts_that_ride_with_the_output_reach_the_scheduler_without_an_rpc():
     _step(core, Output())
     _step(core, Output())
     assert core.scheduler.updates == ["drafts"] and core.rpcs == 2
-
-
-def test_a_selfspec_schedulers_output_says_how_many_requests_wait():
-    from types import SimpleNamespace
-
-    class Scheduler:  # stands in for vLLM's: get_request_counts is (running, waiting)
-        def __init__(self, spec):
-            self.vllm_config = SimpleNamespace(speculative_config=spec)
-
-        def schedule(self):
-            return SimpleNamespace()
-
-        def get_request_counts(self):
-            return 8, 3
-
-    schedule = plugin._schedule(Scheduler.schedule)
-    selfspec = SimpleNamespace(method="custom_class", model=compat.PROPOSER_CLS)
-    out = schedule(Scheduler(selfspec))
-    assert getattr(out, compat.WAITING_ATTR) == 3
-    for other in (None, SimpleNamespace(method="ngram", model=None)):  # vanilla, vLLM's ngram
-        assert not hasattr(schedule(Scheduler(other)), compat.WAITING_ATTR)
-
-
-def test_the_objective_auto_is_makespan_offline_and_latency_in_the_server():
-    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-
-    for args_class, objective in ((EngineArgs, "makespan"), (AsyncEngineArgs, "latency")):
-        args = args_class(model="m", speculative_config={"method": "layerskip"})
-        assert plugin.translate_engine_args(args).objective == objective
-        assert args.additional_config["selfspec"]["objective"] == objective
-    args = AsyncEngineArgs(
-        model="m", speculative_config={"method": "auto", "objective": "makespan"}
-    )
-    assert plugin.translate_engine_args(args).objective == "makespan"

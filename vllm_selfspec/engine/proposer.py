@@ -7,8 +7,7 @@ vLLM's rejection sampler accepted a prefix):
    the verified tokens after chosen layers (bounded: ``capture_tokens`` rows per request);
 2. policy: per request, the next ``DraftDecision`` (plan, draft length, confidence floor);
 3. how much: per request, the free context-lookup draft or the policy's self-draft, and the goodput
-   controller's draft lengths for the whole batch (with no request waiting for a slot, under the
-   ``makespan`` objective, only for requests that could still finish last: ``_finishing_last``);
+   controller's draft lengths for the whole batch;
 4. draft: the method's drafting strategy (``DRAFTERS``, drafting.py) drafts the self-drafting
    requests, one forward per draft step for the whole batch; greedy requests draft the argmax,
    sampled ones draw from ``softmax(logits / T)`` and hand that distribution to vLLM's rejection
@@ -36,7 +35,6 @@ from ..goodput import (
     GoodputController,
     SearchBudget,
     StepCostModel,
-    finishing_last,
     prefer_free,
 )
 from ..heads import identity_from_tensors, load_heads
@@ -89,9 +87,6 @@ def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) ->
 class SelfSpecProposer:
     """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
 
-    #: the weight of the newest step in the running means of tokens per step (``step_rate``)
-    STEP_RATE_WEIGHT = 0.05
-
     def __init__(self, vllm_config) -> None:
         opts = compat.selfspec_options(vllm_config)
         if opts is None:
@@ -129,15 +124,6 @@ class SelfSpecProposer:
         self._rates: dict[str, Any] = {}
         #: the batch-wide choice of draft lengths (None: each policy's own lengths)
         self.controller = GoodputController(self.costs) if self.config.goodput else None
-        #: once no request waits for a slot, only the requests that could still finish last draft
-        #: ("makespan", the offline LLM's default: plugin.translate_engine_args resolves "auto")
-        self.makespan = self.controller is not None and self.config.objective == "makespan"
-        #: tokens a request emits per step while free to draft (not held by the makespan
-        #: objective), running means: over every request (the prior of a new one; until measured,
-        #: every draft accepted) and per request
-        self.step_rate = float(self.k + 1)
-        self._step_rates: dict[str, float] = {}
-        self._held: set[str] = set()  # requests held from drafting in the last step
         #: under the controller, plan searches (KnapSpec's) and hidden-state capture with shadow
         #: projections (DEL's) each take at most a share of the time: a shadow row is a full
         #: LM-head projection per exit, dearer than the target's whole stack on a large-vocabulary
@@ -236,7 +222,6 @@ class SelfSpecProposer:
             self.shared_index.add(index.tokens[prompt_len:])
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
-        self._step_rates.pop(req_id, None)
         self._pending_q.pop(req_id, None)
         if self.drafter is not None:
             self.drafter.forget(req_id)
@@ -363,8 +348,6 @@ class SelfSpecProposer:
                 else:
                     self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
                 emitted += len(sampled)
-                if self.makespan and req_id not in self._held:
-                    self._observe_rate(req_id, len(sampled))
                 st.generated_tokens += len(sampled)
                 st.target_rounds += 1
                 st.target_layers += L
@@ -402,7 +385,6 @@ class SelfSpecProposer:
         # depends on timing (the controller) and the batch, so its output would not be
         # reproducible run to run, as vanilla vLLM's is (vLLM keeps only such rows' generators)
         seeded = sampling_metadata.generators
-        last = self._finishing_last(runner, scheduler_output)
         with st.timer("policy"):
             for i, req_id, state in entries:
                 n = int(num_tokens[i])
@@ -420,9 +402,6 @@ class SelfSpecProposer:
                     outputs = n - int(ib.num_prompt_tokens[i])
                     if outputs < min_tokens:
                         room = min(room, min_tokens - 1 - outputs)
-                if last is not None and not last[i] and room > 0:
-                    room = 0  # the batch does not wait for this request (_finishing_last)
-                    st.drain_held_rounds += 1
                 g = min(decision.num_tokens, room)
                 active.append((i, decision, max(g, 0)))
                 if self.lookup and room > 0:
@@ -456,36 +435,6 @@ class SelfSpecProposer:
         return drafts
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
-    def _observe_rate(self, req_id: str, tokens: int) -> None:
-        w = self.STEP_RATE_WEIGHT
-        self.step_rate += w * (tokens - self.step_rate)
-        rate = self._step_rates.get(req_id, self.step_rate)
-        self._step_rates[req_id] = rate + w * (tokens - rate)
-
-    def _finishing_last(self, runner, scheduler_output) -> list[bool] | None:
-        """Per batch row, whether its request may draft this step: under the ``makespan``
-        objective with no request waiting for a slot, only the requests that could still finish
-        last at the tokens per step they make (``goodput.finishing_last``; prefilling requests
-        count, at the prior); None: every request may (a request waits, the ``latency``
-        objective, or the scheduler did not say)."""
-        self._held = set()
-        if not self.makespan or getattr(scheduler_output, compat.WAITING_ATTR, 1) != 0:
-            return None
-        ib = runner.input_batch
-        self.stats.drain_steps += 1
-        remaining, rates = [], []
-        for i, req_id in enumerate(ib.req_ids):
-            n = int(ib.num_tokens_no_spec[i])
-            left = self.max_model_len - n
-            max_tokens = runner.requests[req_id].sampling_params.max_tokens
-            if max_tokens is not None:
-                left = min(left, max_tokens - (n - int(ib.num_prompt_tokens[i])))
-            remaining.append(left)
-            rates.append(self._step_rates.get(req_id, self.step_rate))
-        last = finishing_last(remaining, rates)
-        self._held = {r for r, ok in zip(ib.req_ids, last) if not ok}
-        return last
-
     def _feedback_due(self) -> tuple[bool, bool]:
         """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
         and shadow projections, a plan search). Without the controller always; with it, around

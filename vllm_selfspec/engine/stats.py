@@ -77,10 +77,6 @@ class EngineStats:
     # and those that went through vLLM's rejection sampler
     greedy_verifications: int = 0
     sampled_verifications: int = 0
-    # the makespan objective: steps in which no request waited for a slot, and request rounds
-    # then held from drafting (they would not finish last: goodput.finishing_last)
-    drain_steps: int = 0
-    drain_held_rounds: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
 
     @contextmanager
@@ -125,8 +121,6 @@ class EngineStats:
             "seeded_rounds": self.seeded_rounds,
             "greedy_verifications": self.greedy_verifications,
             "sampled_verifications": self.sampled_verifications,
-            "drain_steps": self.drain_steps,
-            "drain_held_rounds": self.drain_held_rounds,
             "lookup_accepted_tokens": self.lookup_accepted,
             # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
             # the target (one per request and verification)
