@@ -716,6 +716,17 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
         assert choice.expected_seconds == pytest.approx(want.expected_seconds)
 
 
+def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verifying_step():
+    """Verification priced by shape may cost one draft what it costs three (a fixed cost per
+    verifying step): the lookup draft's tokens are then worth it together though none is alone,
+    and the search must not give up on the first token's price."""
+    free = Candidate(3, np.array([0.9, 0.85, 0.8]), free=True)
+    excess = [10e-3, 10e-3, 10e-3]
+    args = (1.0, 0.05, 4e-3, 150.0, 0.0, excess)  # base, plain, v1, floor, verify, excess
+    got = GoodputController._best_for_depths([free], 0, *args)
+    assert got[0].tokens == one_depth_reference([free], 0, *args).tokens == [3]
+
+
 def _shape_samples(deviations):
     """A cost model whose plain steps at batch 8 take 60 ms and whose 1-draft steps take
     60 ms + 4 ms + each deviation in turn (the line's token price is 4 ms)."""
