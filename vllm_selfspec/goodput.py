@@ -970,18 +970,6 @@ class GoodputController:
         if rows.size == 0:
             return [none] * (depth + 1)
         g = gain[rows, cols]
-        # a token is worth drafting only above the bar at its own cost, which is at least its
-        # row and the cheapest verification per token of any prefix (m = 1..all, as below): if
-        # no token clears that, no depth drafts anything (where drafts do not pay, as on the
-        # chat set at batch 8 here, this skips the arrays below: ~0.2 ms of a step)
-        m_all = np.arange(1, len(g) + 1)
-        if excess is None:
-            verified_all = v1 * m_all + verify
-        else:
-            verified_all = np.asarray(excess[: len(g)], dtype=np.float64)
-        cheapest = float(np.min(np.maximum(verified_all - verify, 0.0) / m_all))
-        if not np.any(g > floor * (row[rows] + cheapest)):
-            return [none] * (depth + 1)
         order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
         rows, cols, g, r = rows[order], cols[order], g[order], row[rows[order]]
         # on[s, t]: token t is on offer with s draft steps
