@@ -714,6 +714,12 @@ class GoodputController:
     _chosen_idle: int = 1 << 30  # steps since self-drafts were chosen (not probed)
     _pending: Choice | None = None
     _plain_pending: bool = False  # the last choice drafted nothing: its cycle measures plain
+    #: what a choice is worth against what it costs (``look_due``): the seconds the searched
+    #: choices were expected to save, and the proposer's seconds to make one, both decayed
+    _look_saving: float = 0.0
+    _look_cost: float | None = None
+    _look_next: bool = True  # the last choice drafted or was not searched: the next is made
+    _skipped_in_row: int = 0
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
@@ -723,6 +729,7 @@ class GoodputController:
         self.plain = PlainReference()
         self.plain_refreshes = 0  # plain cycles the controller forced
         self.skipped_probes = 0  # self-draft probes skipped: no acceptance could make them pay
+        self.skipped_looks = 0  # steps whose choice was not made (``look_due``)
 
     @property
     def achieved(self) -> float:
@@ -770,6 +777,57 @@ class GoodputController:
         recent = paid.idle < self.FEEDBACK_STEPS and (not search or paid.achieved >= 1.0)
         return recent or self._probe_idle() + self.FEEDBACK_STEPS >= self._probe_interval
 
+    # ---- whether to choose at all -------------------------------------------------------------
+    #: a choice costs the proposer time of its own, drafts or not: the requests' lookups, their
+    #: candidates and this search (~1.3 ms a step at batch 8 on this project's CPU, 2% of a
+    #: plain step, where the choice drafted in one step of eight: docs/benchmarks.md, "Steps
+    #: that do not choose"); at most this many steps in a row go without one (``look_due``)
+    MAX_SKIPPED_LOOKS = 3
+    #: the share of the old figure kept per choice, in ``_look_saving`` and ``_look_cost``
+    LOOK_DECAY = 0.9
+
+    def look_due(self) -> bool:
+        """Whether this step's choice is worth making: the last choice drafted (drafts that pay
+        come in runs: a quoted passage, a repeated pattern) or was a forced plain cycle that
+        searched nothing, or choices have been expected to save at least the seconds they take
+        (a decayed mean over choices, 0 for one that drafted nothing, against the proposer's
+        measured time to make one, ``looked``), or ``MAX_SKIPPED_LOOKS`` steps in a row went
+        without one. A step without a choice drafts nothing and costs the proposer only its
+        bookkeeping of the step's tokens; what it skips is a choice expected to be worth less
+        than its own cost. Probes and plain refreshes come after as many choices as ever, so
+        later in steps.
+
+        Example: at batch 8 choices that draft one step in ten, each expected to save 3 ms,
+        are worth 0.3 ms a choice on average; one costing 1.3 ms is then made one step in four
+        after each that drafts nothing."""
+        if (
+            self._look_next
+            or self._look_cost is None
+            or self._look_saving >= self._look_cost
+            or self._skipped_in_row >= self.MAX_SKIPPED_LOOKS
+        ):
+            self._skipped_in_row = 0
+            return True
+        self._skipped_in_row += 1
+        self.skipped_looks += 1
+        return False
+
+    def looked(self, seconds: float) -> None:
+        """The proposer's seconds to make this step's choice (its lookups, candidates, search)."""
+        if self._look_cost is None:
+            self._look_cost = seconds
+        else:
+            self._look_cost += (1.0 - self.LOOK_DECAY) * (seconds - self._look_cost)
+
+    def _searched(self, best: Choice, base: float, plain: float) -> None:
+        """Record what the searched choice (before probes) is expected to save: the seconds
+        plain decoding would take for its expected tokens, less its own predicted seconds."""
+        saving = 0.0
+        if any(best.tokens):
+            saving = max(0.0, best.expected_tokens * plain / base - best.expected_seconds)
+        self._look_saving += (1.0 - self.LOOK_DECAY) * (saving - self._look_saving)
+        self._look_next = any(best.tokens)
+
     # ---- the choice ------------------------------------------------------------------------
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
         """Draft lengths maximising expected emitted tokens / predicted seconds of the next step
@@ -795,6 +853,7 @@ class GoodputController:
         if self.plain.since > self.plain_every:  # no plain cycle measured for a while: one now
             self.plain.since = 0
             self.plain_refreshes += 1
+            self._look_next = True  # this choice searched nothing
             for net in self.nets.values():
                 net.tick(False)
             self._pending, self._plain_pending = None, True
@@ -842,6 +901,7 @@ class GoodputController:
             if rate > best_rate and self._clears_margin(choice, base):
                 best, best_rate = choice, rate
         best.kind = self._kind(cands, best.tokens)
+        self._searched(best, base, plain)
         chosen_free = any(t and c.free for c, t in zip(cands, best.tokens))
         self._since_skipped_probe += 1
         if best.kind != "paid" and paid.open and self._probe_idle() + 1 >= self._probe_interval:
@@ -1080,6 +1140,7 @@ class GoodputController:
         return {
             "plain_refreshes": self.plain_refreshes,
             "skipped_probes": self.skipped_probes,
+            "skipped_looks": self.skipped_looks,
             "plain_overhead_s": self.plain.overhead,
             **nets,
         }

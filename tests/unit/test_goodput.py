@@ -441,6 +441,62 @@ def test_lookup_drafts_below_the_bar_are_probed_ever_more_rarely():
     assert len({choices[i].tokens.index(k) for i in probed}) > 1  # round robin over requests
 
 
+def _looks(costs, cands_at, steps: int, look_seconds: float) -> tuple[list[bool], list[bool]]:
+    """The proposer's loop around ``look_due``: per step, whether the choice was made (``choose``
+    on ``cands_at(step)``, reported to cost ``look_seconds``), and whether it drafted (a probe
+    aside)."""
+    ctl = GoodputController(costs)
+    made, drafted = [], []
+    for step in range(steps):
+        look = ctl.look_due()
+        choice = ctl.choose(cands_at(step)) if look else None
+        if look:
+            ctl.looked(look_seconds)
+        made.append(look)
+        drafted.append(choice is not None and any(choice.tokens) and not choice.probe)
+    assert ctl.skipped_looks == made.count(False)
+    return made, drafted
+
+
+def test_choices_worth_less_than_their_cost_are_skipped_at_most_three_steps_in_a_row():
+    """At batch 8, lookup drafts that never pay (P 0.05): a choice costing 1 ms saves nothing,
+    so three steps in four go without one (never more in a row: a draft that starts paying is
+    found within four steps); lookup drafts that pay (P 0.9) are chosen, and chosen every step.
+    (Planted bug, no cap on the steps in a row: the first assertion fails.)"""
+    costs = measured()
+    low = [Candidate(6, np.cumprod([0.05] * 6), free=True) for _ in range(8)]
+    made, _ = _looks(costs, lambda step: low, 400, 0.001)
+    runs = "".join("x" if m else "." for m in made).split("x")
+    assert max(len(r) for r in runs) == GoodputController.MAX_SKIPPED_LOOKS
+    assert 0.2 <= np.mean(made) <= 0.3
+    good = [Candidate(6, np.cumprod([0.9] * 6), free=True) for _ in range(8)]
+    made, drafted = _looks(costs, lambda step: good, 100, 0.001)
+    assert all(made) and np.mean(drafted) >= 0.95  # (a forced plain cycle now and then)
+
+
+def test_a_choice_is_skipped_only_when_choices_save_less_than_it_costs():
+    """Five steps in twenty offer a lookup draft that pays (P 0.9 for one request; drafts that
+    pay come in runs: a quoted passage, a repeated pattern), the others none that does. Choices
+    that cost 0.1 ms (less than they save on average) are made every step; at 30 ms a choice
+    (more) most steps skip theirs, yet every run is found, and a step after a choice that
+    drafted makes its own. Planted bugs: without that rule, or comparing the saving of the last
+    choice instead of the decayed mean, this test fails."""
+    costs = measured()
+    low = [Candidate(6, np.cumprod([0.05] * 6), free=True) for _ in range(8)]
+    good = [Candidate(6, np.cumprod([0.9] * 6), free=True)] + low[1:]
+
+    def cands_at(step):
+        return good if step % 20 < 5 else low
+
+    made, drafted = _looks(costs, cands_at, 400, 0.0001)
+    assert all(made) and sum(drafted) >= 95
+    made, drafted = _looks(costs, cands_at, 400, 0.03)
+    assert np.mean(made) < 0.5
+    assert all(any(drafted[start : start + 5]) for start in range(0, 400, 20))
+    assert all(made[i + 1] for i in range(399) if drafted[i])
+    assert sum(drafted) >= 40
+
+
 def _with_a_fixed_cost_per_speculative_step(batch, p, measured_plain=True, **cost) -> float:
     """Speculative cycles each cost 30 ms more than plain ones: ``fixed=`` in the timed target
     forward (vLLM's rejection sampler, say), or ``hidden=`` outside it (work between the engine's

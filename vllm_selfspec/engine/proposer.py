@@ -306,7 +306,7 @@ class SelfSpecProposer:
 
         # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
         # not while the controller runs no self-drafts, only around them and before a probe
-        feedback_due, search_due = self._feedback_due()
+        feedback_due, search_due, look = self._due()
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None and feedback_due:
             t_shadow = time.perf_counter()
@@ -385,8 +385,11 @@ class SelfSpecProposer:
         # depends on timing (the controller) and the batch, so its output would not be
         # reproducible run to run, as vanilla vLLM's is (vLLM keeps only such rows' generators)
         seeded = sampling_metadata.generators
+        # a step without a choice (``GoodputController.look_due``) drafts nothing: no request's
+        # round is proposed, and its lookup index catches up with its tokens at the next choice
+        t_look = time.perf_counter()
         with st.timer("policy"):
-            for i, req_id, state in entries:
+            for i, req_id, state in entries if look else ():
                 n = int(num_tokens[i])
                 decision = self.policy.propose(state)
                 # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
@@ -412,6 +415,8 @@ class SelfSpecProposer:
                 cands = self._candidates(ib.req_ids, active, lookups)
                 if self.controller is not None:
                     active = self._control(active, cands)
+        if self.controller is not None and entries and look:
+            self.controller.looked(time.perf_counter() - t_look)
         for j, (i, decision, g) in enumerate(active):
             if cands is not None and cands[j].free:  # a lookup round: no draft step
                 if g > 0:
@@ -435,23 +440,25 @@ class SelfSpecProposer:
         return drafts
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
-    def _feedback_due(self) -> tuple[bool, bool]:
-        """Whether costly feedback for self-drafting is worth it this step: (hidden-state capture
-        and shadow projections, a plan search). Without the controller always; with it, around
-        self-drafts and before probes (``GoodputController.self_feedback_due``), within their
-        time budgets (the shadows' smaller while only probes run:
-        ``GoodputController.feedback_share``). Under TP rank 0's answer (a search runs
-        collectives)."""
+    def _due(self) -> tuple[bool, bool, bool]:
+        """What this step is due for: (costly feedback for self-drafting: hidden-state capture
+        and shadow projections; a plan search; a choice of drafts). Without the controller all
+        of them; with it, feedback around self-drafts and before probes
+        (``GoodputController.self_feedback_due``), within their time budgets (the shadows'
+        smaller while only probes run: ``GoodputController.feedback_share``), and a choice
+        where it is worth its cost (``GoodputController.look_due``). Under TP rank 0's answer
+        (a search and a choice run collectives)."""
         if self.controller is None:
-            return True, True
+            return True, True, True
         budget = self.shadow_budget
         feedback = self.controller.self_feedback_due() and budget.allows(
             self.controller.feedback_share(budget.share)
         )
         search = self.controller.self_feedback_due(search=True) and self.search_budget.allows()
+        look = self.controller.look_due()
         if self._tp > 1:
-            feedback, search = compat.broadcast_from_tp_rank0((feedback, search))
-        return feedback, search
+            feedback, search, look = compat.broadcast_from_tp_rank0((feedback, search, look))
+        return feedback, search, look
 
     def _lookup(self, ib, i: int, req_id: str, n: int, room: int):
         """The request's lookup draft (tokens, match lengths), its index brought up to date."""
