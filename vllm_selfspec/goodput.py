@@ -1114,6 +1114,8 @@ class GoodputController:
         engine's cycle, the verifying forward). A choice without drafts measures plain decoding."""
         choice, self._pending = self._pending, None
         plain_cycle, self._plain_pending = self._plain_pending, False
+        if choice is None and not plain_cycle:  # a step without a choice: nothing to settle
+            return
         predicted = self.costs.target_seconds(requests)
         if seconds <= 0 or requests <= 0 or predicted is None or predicted <= 0:
             return
