@@ -305,7 +305,8 @@ class SelfSpecProposer:
             entries.append((i, req_id, self.states[req_id]))
 
         # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
-        # not while the controller runs no self-drafts, only around them and before a probe
+        # not while the controller runs no self-drafts, only around them and before a probe;
+        # the choice of drafts itself only where choices pay for their own cost
         feedback_due, search_due, look = self._due()
         captured: dict[int, tuple] = {}
         if self.capture_layers and aux_hidden_states is not None and feedback_due:
