@@ -18,7 +18,9 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
 * ``AcceptanceTracker`` — per request and draft position j, P(draft j accepted | drafts 1..j-1
   accepted), decayed, shrunk towards the same figure over all requests (the prior of a new one);
   for context-lookup drafts (``lookup.py``) the same per match length.
-* ``GoodputController.choose`` — the draft length of every request together (0 allowed).
+* ``GoodputController.choose`` — the draft length of every request together (0 allowed); and
+  ``look_due``, whether this step's choice is worth its own cost at all (after a choice that
+  drafted nothing, one is skipped while choices save less than the proposer takes to make them).
 
 Worked example (one step, batch of 2, round costs of the order docs/benchmarks.md reports for
 this project's CPU)::

@@ -7,7 +7,8 @@ vLLM's rejection sampler accepted a prefix):
    the verified tokens after chosen layers (bounded: ``capture_tokens`` rows per request);
 2. policy: per request, the next ``DraftDecision`` (plan, draft length, confidence floor);
 3. how much: per request, the free context-lookup draft or the policy's self-draft, and the goodput
-   controller's draft lengths for the whole batch;
+   controller's draft lengths for the whole batch (a step whose choice the controller deems not
+   worth its own cost, ``GoodputController.look_due``, skips this and drafts nothing);
 4. draft: the method's drafting strategy (``DRAFTERS``, drafting.py) drafts the self-drafting
    requests, one forward per draft step for the whole batch; greedy requests draft the argmax,
    sampled ones draw from ``softmax(logits / T)`` and hand that distribution to vLLM's rejection
