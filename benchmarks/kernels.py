@@ -6,9 +6,12 @@ With CUDA: times the Triton shadow-token LM-head kernel and the reference on GPU
 (bfloat16; SmolLM2-135M and Llama-3-8B LM heads, N = layers x (gamma + 1) shadow rows) and reports the
 peak extra GPU memory of each; then the paged-attention decode kernels (cache write + attention for A
 active tokens of one layer) against their reference, on SmolLM2-135M and Llama-3-8B attention shapes.
-Without CUDA the Triton side is skipped (the interpreter that the tests use on CPU is a correctness
-tool, not a speed measure) and only the CPU references are timed, on the embedded model's shapes.
-Times are medians over ``--repeats`` runs after one warm-up run.
+Each GPU time is ``triton.testing.do_bench``'s median (CUDA events, L2 flushed before each call),
+set beside the shape's floor: its fewest bytes over the copy bandwidth and its FLOPs over the bf16
+matrix rate, both measured first on the same GPU. Without CUDA the Triton side is skipped (the
+interpreter that the tests use on CPU is a correctness tool, not a speed measure) and only the CPU
+references are timed, on the embedded model's shapes, medians over ``--repeats`` runs after one
+warm-up run.
 """
 
 from __future__ import annotations
@@ -59,14 +62,75 @@ def make_inputs(n: int, v: int, d: int, dtype: torch.dtype, device: str):
     return hidden, weight, dict(norm_weight=norm_weight, token_ids=tokens)
 
 
-def bench_gpu(repeats: int) -> None:
+def gpu_ms(fn) -> float:
+    """Median milliseconds of ``fn`` on the GPU: ``triton.testing.do_bench`` (CUDA events, the L2
+    cache flushed before each call, 25 ms of warm-up and 100 ms of repeats)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def gpu_graph_ms(fn) -> float | None:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph
+    (``triton.testing.do_bench_cudagraph``): the GPU's time without the Python and launch cost of
+    each call; None where ``fn`` cannot be captured (it reads a tensor on the host)."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception:  # a host read or synchronisation inside the capture
+        torch.cuda.synchronize()
+        return None
+
+
+def gpu_ceilings() -> tuple[float, float]:
+    """(bytes/s, bf16 FLOP/s) measured on this GPU: a 1 GiB device-to-device copy (bytes read plus
+    written) and an 8192^3 bfloat16 matrix product, the floors' denominators (random data)."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = gpu_ms(lambda: dst.copy_(src))
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm_ms = gpu_ms(lambda: a @ b)
+    return 2 * src.numel() * 4 / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
+
+
+def _floor_ms(bytes_moved: float, flops: float, ceilings: tuple[float, float]) -> float:
+    bandwidth, rate = ceilings
+    return max(bytes_moved / bandwidth, flops / rate) * 1e3
+
+
+def _fmt_ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.3f}"
+
+
+def _peak_extra_mib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / MIB
+
+
+def bench_gpu(ceilings: tuple[float, float]) -> None:
     print(f"device: {torch.cuda.get_device_name()}  (bfloat16, fused norm, token_ids)")
-    print(f"{'shape':34} {'impl':10} {'median ms':>10} {'peak extra MiB':>15}")
+    print(
+        "floor: max(bytes of weight + rows + outputs / copy bandwidth, 2 N V d / bf16 matmul rate)"
+    )
+    print(
+        "graph ms: one replay of the call captured in a CUDA graph, no Python or launch cost "
+        "(L2 not flushed)"
+    )
+    print(
+        f"{'shape':34} {'impl':10} {'median ms':>10} {'graph ms':>9} {'floor ms':>9} "
+        f"{'x floor':>8} {'peak MiB':>9}"
+    )
     for name, n, v, d in SMOLLM2 + LLAMA3_8B:
         hidden, weight, kwargs = make_inputs(n, v, d, torch.bfloat16, "cuda")
         ref = lm_head_argmax_reference(hidden, weight, **kwargs)
         got = lm_head_argmax_triton(hidden, weight, **kwargs)
         agree = (got[0] == ref[0]).float().mean().item()
+        floor = _floor_ms((v * d + n * d) * 2 + n * 16, 2 * n * v * d, ceilings)
         for impl_name, impl in (
             ("triton", lm_head_argmax_triton),
             ("reference", lm_head_argmax_reference),
@@ -75,12 +139,12 @@ def bench_gpu(repeats: int) -> None:
             def run():
                 return impl(hidden, weight, **kwargs)
 
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            seconds = median_seconds(run, repeats, torch.cuda.synchronize)
-            peak = (torch.cuda.max_memory_allocated() - base) / MIB
-            print(f"{name:34} {impl_name:10} {seconds * 1e3:10.3f} {peak:15.1f}")
+            ms, graph = gpu_ms(run), gpu_graph_ms(run)
+            peak = _peak_extra_mib(run)
+            print(
+                f"{name:34} {impl_name:10} {ms:10.3f} {_fmt_ms(graph):>9} {floor:9.3f} "
+                f"{ms / floor:8.1f} {peak:9.1f}"
+            )
         print(f"{'':34} argmax agreement triton vs reference: {agree:.4f}")
 
 
@@ -143,31 +207,48 @@ def make_paged_inputs(num_tokens: int, context: int, heads: tuple, dtype: torch.
     return (query, key, value, kv_cache), dict(kwargs, scale=head_size**-0.5)
 
 
-def bench_paged_gpu(repeats: int) -> None:
+def bench_paged_gpu(ceilings: tuple[float, float]) -> None:
     print(
         f"device: {torch.cuda.get_device_name()}  (bfloat16, cache write + attention, "
         f"block size {BLOCK_SIZE}; A tokens, each its own request)"
     )
-    print(f"{'shape':40} {'impl':10} {'median ms':>10} {'peak extra MiB':>15}")
+    print("floor: bytes of the A contexts' K and V (read once) + q, k, v, out / copy bandwidth")
+    print(
+        "median ms: as the dispatcher calls it (its split decision reads positions.max() on the "
+        "host); graph ms: one replay in a CUDA graph, max_context given (L2 not flushed)"
+    )
+    print(
+        f"{'shape':40} {'impl':10} {'median ms':>10} {'graph ms':>9} {'floor ms':>9} "
+        f"{'x floor':>8} {'peak MiB':>9}"
+    )
     for heads in (ATTN_SMOLLM2, ATTN_LLAMA3_8B):
+        _, num_q_heads, num_kv_heads, head_size = heads
         for num_tokens, context in ((1, 2048), (8, 2048), (64, 2048), (8, 16384)):
             args, kwargs = make_paged_inputs(num_tokens, context, heads, torch.bfloat16, "cuda")
             ref = paged_attention_reference(*args, **kwargs)
             got = paged_attention_triton(*args, **kwargs)
             err = (got.float() - ref.float()).abs().max().item()
             name = f"{heads[0]}, A={num_tokens}, context {context}"
+            kv_bytes = num_tokens * context * num_kv_heads * 2 * head_size * 2
+            row_bytes = num_tokens * (2 * num_q_heads + 2 * num_kv_heads) * head_size * 2
+            floor = _floor_ms(kv_bytes + row_bytes, 0.0, ceilings)
             for impl_name, impl in (
                 ("triton", paged_attention_triton),
                 ("reference", paged_attention_reference),
             ):
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                seconds = median_seconds(
-                    lambda: impl(*args, **kwargs), repeats, torch.cuda.synchronize
+
+                def run():
+                    return impl(*args, **kwargs)
+
+                graph = None
+                if impl is paged_attention_triton:
+                    graph = gpu_graph_ms(lambda: impl(*args, **kwargs, max_context=context))
+                ms = gpu_ms(run)
+                peak = _peak_extra_mib(run)
+                print(
+                    f"{name:40} {impl_name:10} {ms:10.3f} {_fmt_ms(graph):>9} {floor:9.4f} "
+                    f"{ms / floor:8.1f} {peak:9.1f}"
                 )
-                peak = (torch.cuda.max_memory_allocated() - base) / MIB
-                print(f"{name:40} {impl_name:10} {seconds * 1e3:10.3f} {peak:15.1f}")
             print(f"{'':40} max |triton - reference|: {err:.2e}")
 
 
@@ -196,19 +277,25 @@ def bench_paged_cpu(repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7, help="CPU references: runs to time")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and HAS_TRITON
+    if gpu:
+        ceilings = gpu_ceilings()
+        print(
+            f"measured ceilings: copy {ceilings[0] / 1e12:.2f} TB/s (read + write), "
+            f"bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s"
+        )
     print("== lm_head_argmax (batched shadow-token LM-head projection)")
     if gpu:
-        bench_gpu(args.repeats)
+        bench_gpu(ceilings)
     else:
         bench_cpu(args.repeats)
     print(
         "\n== paged_attention (decode attention for a subset of the batch over the paged KV cache)"
     )
     if gpu:
-        bench_paged_gpu(args.repeats)
+        bench_paged_gpu(ceilings)
     else:
         bench_paged_cpu(args.repeats)
 

@@ -1,4 +1,11 @@
-"""Helpers shared by the kernel tests (importable thanks to pytest.ini's pythonpath)."""
+"""Helpers shared by the kernel tests (importable thanks to pytest.ini's pythonpath).
+
+Each kernel test runs twice, through the module fixture ``kernel`` its file builds with
+``kernel_runner``: once in Triton's interpreter on CPU tensors (``InterpreterProcess``, every
+machine) and once compiled on a CUDA GPU (``CompiledKernels``, skipped without one). Both take
+the same calls, ``name, *args, **kwargs`` with CPU tensors, run ``KERNEL_CALLS[name]`` and return
+CPU tensors, so a test compares either with the PyTorch reference it computes on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,105 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 WORKER = Path(__file__).parent / "kernels" / "triton_interpreter_worker.py"
+#: the two ways a kernel test runs the kernels (``kernel_runner``)
+RUNNERS = ["interpreter", "cuda"]
+
+
+def _forced(module, kernel_names, dispatcher, *args, **kwargs):
+    """``dispatcher(*args, **kwargs)`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (its result, the
+    number of launches of each of ``module``'s kernels named in ``kernel_names``)."""
+    kernels = {name: getattr(module, name) for name in kernel_names}
+    launches = dict.fromkeys(kernel_names, 0)
+
+    class CountingKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return kernels[self.name][grid]
+
+    os.environ[module.FORCE_TRITON_ENV] = "1"
+    for name in kernel_names:
+        setattr(module, name, CountingKernel(name))
+    try:
+        return dispatcher(*args, **kwargs), launches
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+        del os.environ[module.FORCE_TRITON_ENV]
+
+
+def _lm():
+    from vllm_selfspec.kernels import lm_head_argmax
+
+    return lm_head_argmax
+
+
+def _pa():
+    from vllm_selfspec.kernels import paged_attention
+
+    return paged_attention
+
+
+def _interpreted(*kernels) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return all(isinstance(k, InterpretedFunction) for k in kernels)
+
+
+def forced_dispatch(*args, **kwargs):
+    """``lm_head_argmax`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (its result, kernel launches)."""
+    name = "_lm_head_argmax_partial_kernel"
+    result, launches = _forced(_lm(), [name], _lm().lm_head_argmax, *args, **kwargs)
+    return result, launches[name]
+
+
+def forced_paged_attention(query, key, value, kv_cache, **kwargs):
+    """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (output, the cache as written,
+    launches per kernel). The cache comes back because the caller's copy is not the one written."""
+    names = ["_write_kv_kernel", "_paged_attention_partial_kernel"]
+    out, launches = _forced(
+        _pa(), names, _pa().paged_attention, query, key, value, kv_cache, **kwargs
+    )
+    return out, kv_cache, launches
+
+
+def paged_attention_triton(query, key, value, kv_cache, **kwargs):
+    """``paged_attention_triton``; returns (output, the cache as written)."""
+    return _pa().paged_attention_triton(query, key, value, kv_cache, **kwargs), kv_cache
+
+
+def write_kv_triton(key, value, kv_cache, slot_mapping):
+    """``write_kv_triton``; returns the cache as written."""
+    _pa().write_kv_triton(key, value, kv_cache, slot_mapping)
+    return kv_cache
+
+
+#: what a test may ask a runner to call
+KERNEL_CALLS = {
+    "lm_head_argmax_triton": lambda *a, **k: _lm().lm_head_argmax_triton(*a, **k),
+    "forced_dispatch": forced_dispatch,
+    "kernel_is_interpreted": lambda: _interpreted(_lm()._lm_head_argmax_partial_kernel),
+    "paged_attention_triton": paged_attention_triton,
+    "forced_paged_attention": forced_paged_attention,
+    "write_kv_triton": write_kv_triton,
+    "paged_kernels_are_interpreted": lambda: _interpreted(
+        _pa()._write_kv_kernel, _pa()._paged_attention_partial_kernel
+    ),
+}
 
 
 class InterpreterProcess:
-    """Calls functions of ``kernels/triton_interpreter_worker.py`` in a TRITON_INTERPRET=1 child
-    process (the worker's docstring says why the interpreter needs a process of its own)."""
+    """Calls ``KERNEL_CALLS`` in a TRITON_INTERPRET=1 child process,
+    ``kernels/triton_interpreter_worker.py`` (its docstring says why the interpreter needs a
+    process of its own)."""
+
+    compiled = False
 
     def __init__(self):
         env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -39,3 +139,48 @@ class InterpreterProcess:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+def _moved(obj, device: str):
+    """``obj`` with every tensor in it copied to ``device`` whole: its storage, offset, shape and
+    strides, so a strided view (a cache view into a larger buffer) stays one, as pickling keeps it
+    for the interpreter process."""
+    if torch.is_tensor(obj):
+        storage = obj.untyped_storage()
+        storage = storage.cuda() if device == "cuda" else storage.cpu()
+        return torch.empty(0, dtype=obj.dtype, device=device).set_(
+            storage, obj.storage_offset(), obj.shape, obj.stride()
+        )
+    if isinstance(obj, tuple | list):
+        return type(obj)(_moved(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    return obj
+
+
+class CompiledKernels:
+    """Calls ``KERNEL_CALLS`` in this process on CUDA copies of the arguments (the kernels compiled
+    by Triton) and hands the results back on the CPU."""
+
+    compiled = True
+
+    def __call__(self, name, *args, **kwargs):
+        result = KERNEL_CALLS[name](*_moved(args, "cuda"), **_moved(kwargs, "cuda"))
+        torch.cuda.synchronize()
+        return _moved(result, "cpu")
+
+    def close(self):
+        pass
+
+
+def kernel_runner(kind: str, interpreted_check: str):
+    """The runner of ``kind`` (one of ``RUNNERS``), after checking with the call
+    ``interpreted_check`` that its kernels are interpreted (interpreter) or compiled (cuda)."""
+    if kind == "cuda":
+        if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (compiled Triton)")
+        run = CompiledKernels()
+    else:
+        run = InterpreterProcess()
+    assert run(interpreted_check) == (kind == "interpreter")
+    return run

@@ -16,8 +16,10 @@ combines the per-split partials in PyTorch.
 
 Numerics (the spec, shared by both paths):
 
-* Optional fused final RMSNorm on a raw residual stream: ``x * rsqrt(mean(x^2) + eps) * w``, all in
-  float32 (vLLM's RMSNorm rounds to the model dtype before multiplying by ``w``; we don't).
+* Optional final RMSNorm on a raw residual stream: ``x * rsqrt(mean(x^2) + eps) * w``, all in
+  float32 (vLLM's RMSNorm rounds to the model dtype before multiplying by ``w``; we don't). Both
+  paths take it from ``lm_head_input`` (PyTorch, N x d: once per call, not once per vocabulary
+  tile), so on one device they feed the projection the same rounded rows.
 * The (normalised) hidden is rounded to the LM-head weight dtype, as vLLM's LM head receives it, and
   the projection accumulates in float32. Logits stay float32 (vLLM rounds them to the model dtype).
 * Softmax in float32. ``vocab_index`` restricts the vocabulary to a subset: ids are reported in the
@@ -75,6 +77,19 @@ def _check_inputs(hidden, weight, norm_weight, token_ids, vocab_index) -> None:
         raise ValueError("weight has an empty vocabulary")
 
 
+def lm_head_input(
+    hidden: torch.Tensor, dtype: torch.dtype, norm_weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """What the LM head sees, in ``dtype`` (the weight's): the rows, RMS-normalised in float32
+    first when ``norm_weight`` is given. Both paths take their input from here, so on one device
+    they round every normalised element alike."""
+    if norm_weight is None:
+        return hidden.to(dtype)
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
+    return x.to(dtype)
+
+
 def lm_head_argmax_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -91,10 +106,7 @@ def lm_head_argmax_reference(
     are still materialised); it does not change the result.
     """
     _check_inputs(hidden, weight, norm_weight, token_ids, vocab_index)
-    x = hidden.float()
-    if norm_weight is not None:
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight.float()
-    x = x.to(weight.dtype).float()  # what the LM head sees: the weight's dtype
+    x = lm_head_input(hidden, weight.dtype, norm_weight, eps).float()
 
     w = weight if vocab_index is None else weight[vocab_index]
     logits = torch.cat(
@@ -149,7 +161,6 @@ if HAS_TRITON:
     def _lm_head_argmax_partial_kernel(
         x_ptr,
         w_ptr,
-        nw_ptr,
         tok_ptr,
         vidx_ptr,
         part_max_ptr,
@@ -160,12 +171,10 @@ if HAS_TRITON:
         V,
         D,
         chunk,
-        eps,
         stride_xn,
         stride_xd,
         stride_wv,
         stride_wd,
-        HAS_NORM: tl.constexpr,
         HAS_TOKENS: tl.constexpr,
         HAS_SUBSET: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -180,17 +189,6 @@ if HAS_TRITON:
         row_mask = rows < N
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xn
 
-        if HAS_NORM:  # RMSNorm statistics in float32, one pass over d
-            sq = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                x = tl.load(
-                    x_rows + offs_d[None, :] * stride_xd,
-                    mask=row_mask[:, None] & (offs_d[None, :] < D),
-                    other=0.0,
-                ).to(tl.float32)
-                sq += tl.sum(x * x, axis=1)
-            rstd = 1.0 / tl.sqrt(sq / D + eps)
         if HAS_TOKENS:
             tok = tl.load(tok_ptr + rows, mask=row_mask, other=-1)
 
@@ -224,11 +222,8 @@ if HAS_TRITON:
                     mask=d_mask[:, None] & v_mask[None, :],
                     other=0.0,
                 )
-                if HAS_NORM:
-                    nw = tl.load(nw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-                    x = x.to(tl.float32) * rstd[:, None] * nw[None, :]
                 # input_precision only concerns float32 x float32: IEEE there, not TF32
-                acc = tl.dot(x.to(w.dtype), w, acc, input_precision="ieee")
+                acc = tl.dot(x, w, acc, input_precision="ieee")
 
             logits = tl.where(v_mask[None, :], acc, float("-inf"))
             tile_max = tl.max(logits, axis=1)
@@ -271,7 +266,8 @@ def lm_head_argmax_triton(
     """Same contract as :func:`lm_head_argmax_reference`, without materialising the [N, V] logits.
 
     ``num_splits`` overrides the split-V heuristic (tests use it to cover both the one-split and
-    the many-split paths). Memory: four [num_splits, N] float32/int32 partial buffers.
+    the many-split paths). Memory: four [num_splits, N] float32/int32 partial buffers, and the
+    [N, d] normalised rows in the weight's dtype when ``norm_weight`` is given.
     """
     if not HAS_TRITON:
         raise RuntimeError("lm_head_argmax_triton needs Triton")
@@ -295,12 +291,12 @@ def lm_head_argmax_triton(
         token_ids.long().contiguous() if token_ids is not None else part_arg
     )  # dummies when absent
     vidx = vocab_index.long().contiguous() if vocab_index is not None else part_arg
-    nw = norm_weight.contiguous() if norm_weight is not None else part_max
+    # normalised once here (not per vocabulary tile in the kernel), with the reference's own ops
+    hidden = lm_head_input(hidden, weight.dtype, norm_weight, eps)
 
     _lm_head_argmax_partial_kernel[(_cdiv(n, block_n), splits)](
         hidden,
         weight,
-        nw,
         tok,
         vidx,
         part_max,
@@ -311,12 +307,10 @@ def lm_head_argmax_triton(
         vocab,
         d,
         chunk,
-        eps,
         hidden.stride(0),
         hidden.stride(1),
         weight.stride(0),
         weight.stride(1),
-        HAS_NORM=norm_weight is not None,
         HAS_TOKENS=token_ids is not None,
         HAS_SUBSET=vocab_index is not None,
         BLOCK_N=block_n,

@@ -1,9 +1,10 @@
 """The shadow-token LM-head Triton kernel against its PyTorch reference.
 
-On CPU the kernel runs in Triton's interpreter, in a child process started with
-``TRITON_INTERPRET=1`` (``triton_interpreter_worker.py`` says why: with triton 3.9.0 the variable must
-be set before the process first imports triton, not just before the kernel module is imported; the
-parent compares the child's results with the reference computed here).
+Each test taking ``kernel`` runs twice (``kernels_testing``): in Triton's interpreter, in a child
+process started with ``TRITON_INTERPRET=1`` (``triton_interpreter_worker.py`` says why: with triton
+3.9.0 the variable must be set before the process first imports triton, not just before the kernel
+module is imported), and compiled on a CUDA GPU where there is one; the parent compares their
+results with the reference computed here on the CPU.
 
 Interpreter limits found with triton 3.9.0: ``tl.dot`` on bfloat16 operands multiplies the raw uint16
 bit patterns (triton-lang/triton#11584), and float32 -> bfloat16 casts truncate instead of rounding
@@ -12,7 +13,15 @@ weights exercise the same rounded-input low-precision dot under the interpreter.
 
 Tolerances: argmax ids must be equal (inputs are random normal with a fixed seed, no near-ties,
 plus dedicated exact-tie cases); probabilities within rtol 2e-5, atol 1e-7 (both paths use float32
-logits and differ only in summation order; the observed relative error is about 4e-6).
+logits and differ only in summation order; the observed relative error is about 4e-6). One
+exception: the compiled kernel on the GPU against the reference on the CPU, with a norm and a
+16-bit weight. Both normalise with ``lm_head_input``, but PyTorch's float32 ``rsqrt(mean(x^2) +
+eps)`` on the GPU and on the CPU differ in the last bit for some rows, and a normalised element next
+to a rounding boundary of the weight dtype then rounds to the neighbouring 16-bit value, moving
+the row's logits by ~|w| x one 16-bit ulp (measured on an H100: the reference itself on GPU vs CPU
+up to 7.6e-4 apart in bfloat16; the kernel vs the reference on rows normalised beforehand, 1e-5).
+There probabilities are compared within that dtype's epsilon (``_prob_tol``); ``test_bf16_on_gpu``
+takes its reference on the GPU and keeps a tight tolerance.
 """
 
 from __future__ import annotations
@@ -23,24 +32,24 @@ import pytest
 import torch
 from vllm_selfspec.kernels import lm_head_argmax as lm
 
-from kernels_testing import InterpreterProcess
+from kernels_testing import RUNNERS, kernel_runner
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 PROB_TOL = dict(rtol=2e-5, atol=1e-7)
 
 
-@pytest.fixture(scope="module")
-def interp():
-    proc = InterpreterProcess()
-    assert proc("kernel_is_interpreted")
-    yield proc
-    proc.close()
+@pytest.fixture(scope="module", params=RUNNERS)
+def kernel(request):
+    """The kernels in Triton's interpreter, then compiled on a CUDA GPU (``kernels_testing``)."""
+    run = kernel_runner(request.param, "kernel_is_interpreted")
+    yield run
+    run.close()
 
 
-def triton_impl(interp):
-    """``lm_head_argmax_triton`` as run by the interpreter worker."""
-    return lambda *args, **kwargs: interp("lm_head_argmax_triton", *args, **kwargs)
+def triton_impl(kernel):
+    """``lm_head_argmax_triton`` as run by ``kernel``."""
+    return lambda *args, **kwargs: kernel("lm_head_argmax_triton", *args, **kwargs)
 
 
 def _inputs(n: int, v: int, d: int, seed: int = 0, dtype=torch.float32):
@@ -69,17 +78,25 @@ def _token_ids(hidden, weight, subset, use_subset: bool):
     return tokens
 
 
-def _assert_same(got, want):
+def _prob_tol(compiled: bool, weight, norm_weight) -> dict:
+    """``PROB_TOL``, or within the weight dtype's epsilon where the GPU's and the CPU's norm may
+    round a few normalised elements to neighbouring 16-bit values (the module docstring)."""
+    if compiled and norm_weight is not None and weight.element_size() < 4:
+        return dict(rtol=torch.finfo(weight.dtype).eps, atol=1e-6)
+    return PROB_TOL
+
+
+def _assert_same(got, want, tol=PROB_TOL):
     ids, max_prob, token_prob = got
     ref_ids, ref_max_prob, ref_token_prob = want
     assert ids.dtype == torch.int64 and max_prob.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(max_prob, ref_max_prob, **PROB_TOL)
+    torch.testing.assert_close(max_prob, ref_max_prob, **tol)
     if ref_token_prob is None:
         assert token_prob is None
     else:
         assert token_prob.dtype == torch.float32
-        torch.testing.assert_close(token_prob, ref_token_prob, **PROB_TOL)
+        torch.testing.assert_close(token_prob, ref_token_prob, **tol)
 
 
 SHAPES = [
@@ -92,7 +109,7 @@ SHAPES = [
 @pytest.mark.parametrize("use_subset", [False, True], ids=["full-vocab", "subset"])
 @pytest.mark.parametrize("use_norm", [False, True], ids=["normed-input", "fused-norm"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "N{}-V{}-d{}".format(*s))
-def test_kernel_matches_reference(interp, shape, use_norm, use_subset):
+def test_kernel_matches_reference(kernel, shape, use_norm, use_subset):
     hidden, weight, norm_weight, subset = _inputs(*shape)
     kwargs = dict(
         norm_weight=norm_weight if use_norm else None,
@@ -100,7 +117,7 @@ def test_kernel_matches_reference(interp, shape, use_norm, use_subset):
         token_ids=_token_ids(hidden, weight, subset, use_subset),
     )
     want = lm.lm_head_argmax_reference(hidden, weight, **kwargs)
-    _assert_same(triton_impl(interp)(hidden, weight, **kwargs), want)
+    _assert_same(triton_impl(kernel)(hidden, weight, **kwargs), want)
     if use_subset:  # ids are original vocabulary ids; tokens outside the subset have probability 0
         assert torch.isin(want[0], subset).all()
         outside = ~torch.isin(kwargs["token_ids"], subset)
@@ -108,11 +125,11 @@ def test_kernel_matches_reference(interp, shape, use_norm, use_subset):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["one-split", "3-splits", "auto"])
-def test_split_v_paths_agree(interp, num_splits):
+def test_split_v_paths_agree(kernel, num_splits):
     """One program per row block over all of V, a forced split and the heuristic's split."""
     hidden, weight, norm_weight, _ = _inputs(20, 1000, 64, seed=2)
     want = lm.lm_head_argmax_reference(hidden, weight, norm_weight=norm_weight)
-    got = triton_impl(interp)(hidden, weight, norm_weight=norm_weight, num_splits=num_splits)
+    got = triton_impl(kernel)(hidden, weight, norm_weight=norm_weight, num_splits=num_splits)
     _assert_same(got, want)
 
 
@@ -126,7 +143,7 @@ def test_launch_config_splits_small_batches():
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["one-split", "4-splits"])
 @pytest.mark.parametrize("use_subset", [False, True], ids=["full-vocab", "subset"])
-def test_exact_ties_pick_lowest_index(interp, num_splits, use_subset):
+def test_exact_ties_pick_lowest_index(kernel, num_splits, use_subset):
     """Integer inputs make every logit exact, so maxima tie exactly (also across tiles and splits);
     the lowest index (position in the subset) must win, as with torch.argmax."""
     g = torch.Generator().manual_seed(3)
@@ -138,7 +155,7 @@ def test_exact_ties_pick_lowest_index(interp, num_splits, use_subset):
     vocab_index = torch.randperm(v, generator=g) if use_subset else None
 
     want = lm.lm_head_argmax_reference(hidden, weight, vocab_index=vocab_index)
-    got = triton_impl(interp)(hidden, weight, vocab_index=vocab_index, num_splits=num_splits)
+    got = triton_impl(kernel)(hidden, weight, vocab_index=vocab_index, num_splits=num_splits)
     _assert_same(got, want)
 
     logits = hidden @ (weight if vocab_index is None else weight[vocab_index]).T
@@ -147,22 +164,23 @@ def test_exact_ties_pick_lowest_index(interp, num_splits, use_subset):
         assert got[0][0] == 5
 
 
-def test_float16_weights(interp):
+@pytest.mark.parametrize("use_norm", [False, True], ids=["normed-input", "fused-norm"])
+def test_float16_weights(kernel, use_norm):
     """Low-precision path: the normalised hidden is rounded to the weight dtype before the dot."""
     hidden, weight, norm_weight, _ = _inputs(20, 700, 96, seed=4, dtype=torch.float16)
-    tokens = torch.arange(20) * 31
-    for kwargs in (dict(token_ids=tokens), dict(norm_weight=norm_weight, token_ids=tokens)):
-        want = lm.lm_head_argmax_reference(hidden, weight, **kwargs)
-        _assert_same(triton_impl(interp)(hidden, weight, **kwargs), want)
+    kwargs = dict(token_ids=torch.arange(20) * 31, norm_weight=norm_weight if use_norm else None)
+    want = lm.lm_head_argmax_reference(hidden, weight, **kwargs)
+    tol = _prob_tol(kernel.compiled, weight, kwargs["norm_weight"])
+    _assert_same(triton_impl(kernel)(hidden, weight, **kwargs), want, tol)
 
 
-def test_bf16_hidden_fp32_weight_and_strided_rows(interp):
+def test_bf16_hidden_fp32_weight_and_strided_rows(kernel):
     """bfloat16 residual rows (loads and casts work in the interpreter) taken as a strided view."""
     hidden, weight, norm_weight, _ = _inputs(40, 500, 80, seed=5)
     rows = hidden.bfloat16()[::2]
     assert not rows.is_contiguous()
     want = lm.lm_head_argmax_reference(rows, weight, norm_weight=norm_weight)
-    _assert_same(triton_impl(interp)(rows, weight, norm_weight=norm_weight), want)
+    _assert_same(triton_impl(kernel)(rows, weight, norm_weight=norm_weight), want)
 
 
 def test_reference_is_the_plain_formula():
@@ -184,9 +202,9 @@ def test_reference_is_the_plain_formula():
         torch.testing.assert_close(token_prob[row], expected)
 
 
-def test_empty_batch_and_bad_shapes(interp):
+def test_empty_batch_and_bad_shapes(kernel):
     hidden, weight, _, _ = _inputs(0, 300, 64)
-    for impl in (lm.lm_head_argmax_reference, triton_impl(interp)):
+    for impl in (lm.lm_head_argmax_reference, triton_impl(kernel)):
         ids, max_prob, token_prob = impl(hidden, weight)
         assert ids.shape == max_prob.shape == (0,) and token_prob is None
         with pytest.raises(ValueError, match="hidden size"):
@@ -206,10 +224,10 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     _assert_same(got, lm.lm_head_argmax_reference(hidden, weight, norm_weight=norm_weight))
 
 
-def test_dispatcher_forced_triton_runs_the_kernel(interp):
+def test_dispatcher_forced_triton_runs_the_kernel(kernel):
     hidden, weight, _, _ = _inputs(5, 200, 32)
     tokens = torch.arange(5)
-    got, launches = interp("forced_dispatch", hidden, weight, token_ids=tokens)
+    got, launches = kernel("forced_dispatch", hidden, weight, token_ids=tokens)
     assert launches == 1
     _assert_same(got, lm.lm_head_argmax_reference(hidden, weight, token_ids=tokens))
 
@@ -233,7 +251,8 @@ def test_bf16_on_gpu(shape):
         want = lm.lm_head_argmax_reference(hidden, weight, **kwargs)
         assert lm.use_triton(hidden)
         got = lm.lm_head_argmax(hidden, weight, **kwargs)
-        # bf16 products are exact in float32, so only the summation order differs
+        # bf16 products are exact in float32 and both paths normalise on this device with the
+        # same ops (lm_head_input), so only the summation order differs
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)

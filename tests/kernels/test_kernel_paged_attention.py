@@ -1,8 +1,9 @@
 """The paged-attention decode kernels (subset of a batch) against their PyTorch reference.
 
-On CPU the kernels run in Triton's interpreter, in a child process started with
-``TRITON_INTERPRET=1`` (``triton_interpreter_worker.py`` says why); the parent computes the
-reference and compares. The reference itself is checked against a plain causal attention over
+Each test taking ``kernel`` runs twice (``kernels_testing``): in Triton's interpreter, in a child
+process started with ``TRITON_INTERPRET=1`` (``triton_interpreter_worker.py`` says why), and
+compiled on a CUDA GPU where there is one; the parent computes the reference on the CPU and
+compares. The reference itself is checked against a plain causal attention over
 contiguous K/V and against vLLM's own CPU paged-attention ops, and the cache layout against the
 views vLLM 0.32 builds for FlashAttention (``create_kv_cache_views`` + FlashAttention's split).
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 from vllm_selfspec.kernels import paged_attention as pa
 
-from kernels_testing import InterpreterProcess
+from kernels_testing import RUNNERS, kernel_runner
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -31,12 +32,12 @@ F32_TOL = dict(rtol=1e-5, atol=1e-5)
 F16_TOL = dict(rtol=1e-3, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def interp():
-    proc = InterpreterProcess()
-    assert proc("paged_kernels_are_interpreted")
-    yield proc
-    proc.close()
+@pytest.fixture(scope="module", params=RUNNERS)
+def kernel(request):
+    """The kernels in Triton's interpreter, then compiled on a CUDA GPU (``kernels_testing``)."""
+    run = kernel_runner(request.param, "paged_kernels_are_interpreted")
+    yield run
+    run.close()
 
 
 @dataclass
@@ -54,9 +55,9 @@ class Case:
             self.query, self.key, self.value, cache, **self.kwargs
         ), cache
 
-    def run_kernel(self, interp, **extra):
-        """(output, cache) of the Triton kernels in the interpreter worker (its own copy of the cache)."""
-        return interp(
+    def run_kernel(self, kernel, **extra):
+        """(output, cache) of the Triton kernels through ``kernel`` (on its own copy of the cache)."""
+        return kernel(
             "paged_attention_triton",
             self.query,
             self.key,
@@ -146,32 +147,32 @@ SHAPES = [
 @pytest.mark.parametrize(
     "shape", SHAPES, ids=lambda s: "A{}-kv{}-g{}-d{}-bs{}-ctx{}-pad{}".format(*s)
 )
-def test_kernel_matches_reference(interp, shape):
+def test_kernel_matches_reference(kernel, shape):
     *dims, num_pad = shape
     case = make_case(*dims, num_pad=num_pad)
-    assert_same(case.run_kernel(interp), case.run_reference(), F32_TOL)
+    assert_same(case.run_kernel(kernel), case.run_reference(), F32_TOL)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["one-split", "3-splits", "auto"])
-def test_context_split_paths_agree(interp, num_splits):
+def test_context_split_paths_agree(kernel, num_splits):
     """One program per (token, KV head) over the whole context, a forced split (tokens with a short
     context get empty splits) and the heuristic's split."""
     case = make_case(3, 1, 3, 64, 16, 300, seed=1)
-    assert_same(case.run_kernel(interp, num_splits=num_splits), case.run_reference(), F32_TOL)
+    assert_same(case.run_kernel(kernel, num_splits=num_splits), case.run_reference(), F32_TOL)
     if num_splits is None:  # 3 programs < 8 targeted by the heuristic in the interpreter
         assert pa.launch_config(3, 1, 300)[0] > 1
         given = case.run_kernel(
-            interp, max_context=300
+            kernel, max_context=300
         )  # the caller's bound instead of positions.max()
         assert_same(given, case.run_reference(), F32_TOL)
 
 
-def test_float16_and_custom_scale(interp):
+def test_float16_and_custom_scale(kernel):
     case = make_case(9, 2, 3, 64, 16, 90, num_pad=1, seed=2, dtype=torch.float16, scale=0.3)
-    assert_same(case.run_kernel(interp), case.run_reference(), F16_TOL)
+    assert_same(case.run_kernel(kernel), case.run_reference(), F16_TOL)
 
 
-def test_strided_query_and_key(interp):
+def test_strided_query_and_key(kernel):
     """Q/K/V as vLLM hands them over: column slices of one fused qkv projection output."""
     case = make_case(6, 2, 3, 64, 16, 50, num_pad=1, seed=3)
     qkv = torch.cat([t.flatten(1) for t in (case.query, case.key, case.value)], dim=1)
@@ -180,16 +181,16 @@ def test_strided_query_and_key(interp):
     case.key = qkv[:, hq : hq + 128].view(6, 2, 64)
     case.value = qkv[:, hq + 128 :].view(6, 2, 64)
     assert not case.query.is_contiguous() and not case.key.is_contiguous()
-    assert_same(case.run_kernel(interp), case.run_reference(), F32_TOL)
+    assert_same(case.run_kernel(kernel), case.run_reference(), F32_TOL)
 
 
-def test_bfloat16_cache_write_is_exact(interp):
+def test_bfloat16_cache_write_is_exact(kernel):
     """The write kernel moves bits, so bfloat16 works in the interpreter (no tl.dot involved)."""
     case = make_case(12, 2, 1, 64, 16, 60, num_pad=2, seed=4, dtype=torch.bfloat16)
     slots = case.kwargs["slot_mapping"]
     want = case.kv_cache.clone()
     pa.write_kv_reference(case.key, case.value, want, slots)
-    got = interp("write_kv_triton", case.key, case.value, case.kv_cache, slots)
+    got = kernel("write_kv_triton", case.key, case.value, case.kv_cache, slots)
     assert torch.equal(got, want) and not torch.equal(got, case.kv_cache)
 
 
@@ -215,7 +216,7 @@ def _causal_attention(q, k, v, scale):
 
 
 @pytest.mark.parametrize("group", [1, 3], ids=["mha", "gqa3"])
-def test_deferred_tokens_see_each_other_and_match_causal_attention(interp, group):
+def test_deferred_tokens_see_each_other_and_match_causal_attention(kernel, group):
     """AdaDecode's deferred tokens: one request's prefix is cached; three tokens at consecutive
     positions run the layer together. Each must see the K/V the others write in the same call
     (writes before reads) and the result must equal a plain causal attention over the whole
@@ -248,7 +249,7 @@ def test_deferred_tokens_see_each_other_and_match_causal_attention(interp, group
         ),
     )
     want = case.run_reference()
-    assert_same(case.run_kernel(interp), want, F32_TOL)
+    assert_same(case.run_kernel(kernel), want, F32_TOL)
     causal = _causal_attention(q, k, v, head_size**-0.5)[new]
     torch.testing.assert_close(want[0], causal, **F32_TOL)
 
@@ -292,7 +293,7 @@ def _vllm(module: str):
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLNHC"])
-def test_vllm_cache_views_and_flash_attention_split(interp, layout):
+def test_vllm_cache_views_and_flash_attention_split(kernel, layout):
     """The per-layer cache tensor exactly as vLLM 0.32 builds it (``create_kv_cache_views``: a
     strided view into a two-layer int8 buffer) for three physical layouts, LBNHC being
     FlashAttention's default. The kernel and the reference must agree on it, must touch no byte
@@ -337,7 +338,7 @@ def test_vllm_cache_views_and_flash_attention_split(interp, layout):
     ref_out = pa.paged_attention_reference(
         case.query, case.key, case.value, layer1_view(ref_raw), **case.kwargs
     )
-    out, cache = case.run_kernel(interp)
+    out, cache = case.run_kernel(kernel)
     kernel_raw = torch.empty(0, dtype=torch.int8).set_(cache.untyped_storage())
     assert torch.equal(kernel_raw, ref_raw)  # the whole two-layer buffer
     torch.testing.assert_close(out, ref_out, **F32_TOL)
@@ -462,13 +463,13 @@ def test_launch_config_splits_few_long_rows():
     assert pa.launch_config(1, 8, 10, target_programs=264) == (1, pa._WHOLE_CONTEXT)  # one tile
 
 
-def test_empty_batch_and_bad_inputs(interp):
+def test_empty_batch_and_bad_inputs(kernel):
     case = make_case(4, 2, 3, 64, 16, 30)
     no_tokens = {k: case.kwargs[k][:0] for k in ("slot_mapping", "req_indices", "positions")}
     empty = Case(
         case.query[:0], case.key[:0], case.value[:0], case.kv_cache, {**case.kwargs, **no_tokens}
     )
-    for out, cache in (empty.run_reference(), empty.run_kernel(interp)):
+    for out, cache in (empty.run_reference(), empty.run_kernel(kernel)):
         assert out.shape == (0, 6, 64) and torch.equal(cache, case.kv_cache)
 
     for impl in (pa.paged_attention_reference, pa.paged_attention_triton):
@@ -502,9 +503,9 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     assert_same((out, cache), case.run_reference(), dict(rtol=0, atol=0))
 
 
-def test_dispatcher_forced_triton_runs_the_kernels(interp):
+def test_dispatcher_forced_triton_runs_the_kernels(kernel):
     case = make_case(5, 2, 3, 64, 16, 40, num_pad=1)
-    out, cache, launches = interp(
+    out, cache, launches = kernel(
         "forced_paged_attention", case.query, case.key, case.value, case.kv_cache, **case.kwargs
     )
     assert launches == {"_write_kv_kernel": 1, "_paged_attention_partial_kernel": 1}
