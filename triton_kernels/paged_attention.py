@@ -526,10 +526,27 @@ def paged_attention(
     req_indices: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    max_context: int | None = None,
 ) -> torch.Tensor:
-    """Dispatcher: the Triton kernels where they run (see :func:`use_triton`), else the reference."""
-    impl = paged_attention_triton if use_triton(query) else paged_attention_reference
-    return impl(
+    """Dispatcher: the Triton kernels where they run (see :func:`use_triton`), else the reference.
+    ``max_context`` (at least every ``position + 1``) spares the kernels' split decision a
+    device-to-host read of ``positions.max()``, a synchronisation that costs more than the kernels
+    at small shapes on a GPU and cannot be captured in a CUDA graph (docs/benchmarks.md, "The
+    Triton kernels on an H100"); the reference ignores it."""
+    if use_triton(query):
+        return paged_attention_triton(
+            query,
+            key,
+            value,
+            kv_cache,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            req_indices=req_indices,
+            positions=positions,
+            scale=scale,
+            max_context=max_context,
+        )
+    return paged_attention_reference(
         query,
         key,
         value,

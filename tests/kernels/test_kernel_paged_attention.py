@@ -512,6 +512,18 @@ def test_dispatcher_forced_triton_runs_the_kernels(kernel):
     assert_same((out, cache), case.run_reference(), F32_TOL)
 
 
+def test_dispatcher_passes_max_context_on(kernel):
+    """The dispatcher hands ``max_context`` to the kernels: the true bound gives the reference's
+    output; one far too small (positions past it are dropped once the context is split) does
+    not, which it could not if the dispatcher read ``positions.max()`` itself."""
+    case = make_case(3, 1, 3, 64, 16, 300, seed=1)  # 3 programs: the context is split
+    args = (case.query, case.key, case.value, case.kv_cache)
+    out, cache, _ = kernel("forced_paged_attention", *args, **case.kwargs, max_context=300)
+    assert_same((out, cache), case.run_reference(), F32_TOL)
+    short, _, _ = kernel("forced_paged_attention", *args, **case.kwargs, max_context=130)
+    assert not torch.allclose(short, out, **F32_TOL)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton)")
 @pytest.mark.parametrize(
     "shape",
