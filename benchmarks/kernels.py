@@ -113,7 +113,7 @@ def _peak_extra_mib(fn) -> float:
 
 
 def bench_gpu(ceilings: tuple[float, float]) -> None:
-    print(f"device: {torch.cuda.get_device_name()}  (bfloat16, fused norm, token_ids)")
+    print(f"device: {torch.cuda.get_device_name()}  (bfloat16, norm_weight, token_ids)")
     print(
         "floor: max(bytes of weight + rows + outputs / copy bandwidth, 2 N V d / bf16 matmul rate)"
     )
