@@ -533,27 +533,13 @@ def paged_attention(
     device-to-host read of ``positions.max()``, a synchronisation that costs more than the kernels
     at small shapes on a GPU and cannot be captured in a CUDA graph (docs/benchmarks.md, "The
     Triton kernels on an H100"); the reference ignores it."""
-    if use_triton(query):
-        return paged_attention_triton(
-            query,
-            key,
-            value,
-            kv_cache,
-            slot_mapping=slot_mapping,
-            block_table=block_table,
-            req_indices=req_indices,
-            positions=positions,
-            scale=scale,
-            max_context=max_context,
-        )
-    return paged_attention_reference(
-        query,
-        key,
-        value,
-        kv_cache,
+    batch = dict(
         slot_mapping=slot_mapping,
         block_table=block_table,
         req_indices=req_indices,
         positions=positions,
         scale=scale,
     )
+    if use_triton(query):
+        return paged_attention_triton(query, key, value, kv_cache, **batch, max_context=max_context)
+    return paged_attention_reference(query, key, value, kv_cache, **batch)
