@@ -110,6 +110,26 @@ def summarize(out: Path) -> str:
         plt.close(fig)
         lines += [
             "",
+            "Each timed slice's paired ratio (the same prompts by the method and by vanilla "
+            "seconds apart): their median and its 90% bootstrap interval, the run's own noise "
+            "band (the A/A engine `vanilla2` shows it for a method that changes nothing):",
+            "",
+            "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
+            "|---|" + "---|" * len(sizes),
+        ]
+        for name in methods:
+            cells = []
+            for b in sizes:
+                m = by_bs[b]["methods"].get(name) or {}
+                if m.get("slice_speedup_interval") is None:
+                    cells.append("–")
+                    continue
+                lo, hi = m["slice_speedup_interval"]
+                cells.append(f"{m['slice_speedup']:.2f}x [{lo:.2f}, {hi:.2f}]")
+            if any(c != "–" for c in cells):
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
             "Where the emitted tokens came from (lookup drafts / self-drafts / the target's "
             "own token each step), selfspec's time (draft / verify = target forward / "
             "policy / shadow / optimise / controller) and draft forwards per engine step:",
@@ -139,8 +159,9 @@ def summarize(out: Path) -> str:
                     )
                     + f" | {st['draft_forwards'] / max(st['steps'], 1):.2f} |"
                 )
-        cmd = next(iter(by_bs.values()))["settings"]["command_line"]
-        lines += ["", f"One run's command: `{cmd}`", ""]
+        lines += ["", "Each run's command:", ""]
+        lines += [f"- bs {b}: `{by_bs[b]['settings']['command_line']}`" for b in sizes]
+        lines.append("")
     text = "\n".join(lines)
     (out / "summary.md").write_text(text + "\n", encoding="utf-8")
     return text
