@@ -759,7 +759,8 @@ class GoodputController:
     #: while no self-draft has been chosen for ``FEEDBACK_STEPS`` (only probes run), costly
     #: feedback takes at most this share of the time (``feedback_share``), what the probes it
     #: prepares may take: at the search budget's 2%, DEL's shadow projections alone cost 2% of
-    #: every step at batch 16 here while it drafted 4 tokens in a run (docs/benchmarks.md)
+    #: every step at batch 16 here while it drafted 4 tokens in a run, and KnapSpec's plan
+    #: searches 1.1-1.8% at batch 1 while it drafted nothing (docs/benchmarks.md)
     IDLE_FEEDBACK_SHARE = PROBE_TIME_SHARE
 
     def feedback_share(self, share: float) -> float:
@@ -769,6 +770,15 @@ class GoodputController:
         if self._chosen_idle < self.FEEDBACK_STEPS:
             return share
         return min(share, self.IDLE_FEEDBACK_SHARE)
+
+    def feedback_allowed(self, budget: SearchBudget, search: bool = False) -> bool:
+        """Whether costly feedback for self-drafting runs this step, DEL's shadow projections or
+        a plan search (KnapSpec's, ``search=True``): due (``self_feedback_due``) and within
+        ``budget`` at the share allowed now (``feedback_share``: the budget's own around chosen
+        self-drafts, at most ``IDLE_FEEDBACK_SHARE`` while only probes run)."""
+        return self.self_feedback_due(search=search) and budget.allows(
+            self.feedback_share(budget.share)
+        )
 
     def self_feedback_due(self, search: bool = False) -> bool:
         """Whether a policy's costly feedback for self-drafting (DEL's shadow projections) is

@@ -446,17 +446,14 @@ class SelfSpecProposer:
         """What this step is due for: (costly feedback for self-drafting: hidden-state capture
         and shadow projections; a plan search; a choice of drafts). Without the controller all
         of them; with it, feedback around self-drafts and before probes
-        (``GoodputController.self_feedback_due``), within their time budgets (the shadows'
-        smaller while only probes run: ``GoodputController.feedback_share``), and a choice
+        (``GoodputController.self_feedback_due``), within their time budgets (smaller while
+        only probes run: ``GoodputController.feedback_allowed``), and a choice
         where it is worth its cost (``GoodputController.look_due``). Under TP rank 0's answer
         (a search and a choice run collectives)."""
         if self.controller is None:
             return True, True, True
-        budget = self.shadow_budget
-        feedback = self.controller.self_feedback_due() and budget.allows(
-            self.controller.feedback_share(budget.share)
-        )
-        search = self.controller.self_feedback_due(search=True) and self.search_budget.allows()
+        feedback = self.controller.feedback_allowed(self.shadow_budget)
+        search = self.controller.feedback_allowed(self.search_budget, search=True)
         look = self.controller.look_due()
         if self._tp > 1:
             feedback, search, look = compat.broadcast_from_tp_rank0((feedback, search, look))

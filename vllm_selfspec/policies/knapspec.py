@@ -14,7 +14,8 @@ Per request:
   (τ = ``tau``) and the TPT grid search over γ ≤ D (``num_speculative_tokens``) pick the skip set
   and draft length. The sub-layer latency model is measured by the engine at start-up.
 * **Before its own search** a request drafts with the latest search's choice (any request's):
-  under the goodput controller searches wait for their time budget (``goodput.SearchBudget``),
+  under the goodput controller searches wait for their time budget (``goodput.SearchBudget``,
+  smaller while the controller chooses no self-draft: ``GoodputController.feedback_allowed``),
   and the skip set that suits one request of a model is a good start for the next.
 * **Drafting** with that skip set for γ tokens, stopping early when a draft token's top-1
   probability falls below ``min_confidence`` (0.7; dynamic draft exit).
