@@ -54,6 +54,16 @@ def run(args) -> None:
             subprocess.run(cmd, check=True)
 
 
+def _table_head(caption: str, sizes: list[int]) -> list[str]:
+    """A caption, then a table's header with one column per batch size."""
+    return [
+        caption,
+        "",
+        "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+
+
 def summarize(out: Path) -> str:
     import matplotlib
 
@@ -68,16 +78,12 @@ def summarize(out: Path) -> str:
     for prompts, by_bs in runs.items():
         sizes = sorted(by_bs)
         methods = list(next(iter(by_bs.values()))["methods"])
-        lines += [
-            f"### {prompts}",
-            "",
+        lines += [f"### {prompts}", ""] + _table_head(
             "speedup over vanilla of the same run (tokens/s, median of the per-round ratios), "
             "at batch > 1 also over decode steps at a full batch (`full_batch_speedup`: no "
             "closed batch's tail, no prefills); acceptance; parity with vanilla",
-            "",
-            "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
-            "|---|" + "---|" * len(sizes),
-        ]
+            sizes,
+        )
         fig, ax = plt.subplots(figsize=(6, 4))
         for name in methods:
             cells, xs, ys = [], [], []
@@ -108,15 +114,12 @@ def summarize(out: Path) -> str:
         fig.tight_layout()
         fig.savefig(out / f"{prompts}.png", dpi=110)
         plt.close(fig)
-        lines += [
-            "",
+        lines += [""] + _table_head(
             "Each timed slice's paired ratio (the same prompts by the method and by vanilla "
             "seconds apart): their median and its 90% bootstrap interval, the run's own noise "
             "band (the A/A engine `vanilla2` shows it for a method that changes nothing):",
-            "",
-            "| method | " + " | ".join(f"bs {b}" for b in sizes) + " |",
-            "|---|" + "---|" * len(sizes),
-        ]
+            sizes,
+        )
         for name in methods:
             cells = []
             for b in sizes:
