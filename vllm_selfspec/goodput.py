@@ -760,7 +760,7 @@ class GoodputController:
     #: feedback takes at most this share of the time (``feedback_share``), what the probes it
     #: prepares may take: at the search budget's 2%, DEL's shadow projections alone cost 2% of
     #: every step at batch 16 here while it drafted 4 tokens in a run, and KnapSpec's plan
-    #: searches 1.1-1.8% at batch 1 while it drafted nothing (docs/benchmarks.md)
+    #: searches 0.3-3% at batch 1 while it drafted nothing (docs/benchmarks.md)
     IDLE_FEEDBACK_SHARE = PROBE_TIME_SHARE
 
     def feedback_share(self, share: float) -> float:

@@ -578,7 +578,7 @@ def test_feedback_takes_less_time_while_only_probes_run(p, most):
 def test_plan_searches_take_less_time_while_only_probes_run():
     """KnapSpec's plan searches (``feedback_allowed(search=True)``) under the same idle share as
     DEL's shadows: a search dear as ten steps (~0.6 s against a 60 ms step at batch 1 here),
-    drafts that never pay. At the search budget's own 2% they took 1.1-1.8% of KnapSpec's time at
+    drafts that never pay. At the search budget's own 2% they took 0.3-3% of KnapSpec's time at
     batch 1 while it drafted nothing (docs/benchmarks.md), 2.4% here; now about 1%. A search runs
     while the budget's spent sum is within its share, so one dearer than the allowance overshoots
     it by its own cost: twice the idle share bounds it."""
