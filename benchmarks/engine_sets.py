@@ -1,0 +1,124 @@
+"""The same bench run several times, each with new engines, pooled: a method's speedup without
+the luck of one engine process.
+
+Two processes of one engine differ in forward speed by up to ~15% on this project's machine
+(docs/benchmarks.md, "The bench's own noise"), and a process keeps its offset for all of its
+repeats: a bench run's median of 3 repeats carries its engines' draw (its A/A engine shows how
+far). Each set here starts new engines; the per-repeat ratios of all sets are pooled.
+
+    python benchmarks/engine_sets.py --sets 3 --out OUT -- --methods vanilla2,del,knapspec \
+        --method-config '{"vanilla2":{"method":"vanilla"}}' --prompts chat --num-prompts 8 \
+        --max-tokens 48 --batch-size 1 --repeats 2 --group-size 3
+
+Set i is one ``vllm-selfspec bench`` run (the arguments after ``--``) in OUT/set<i>/, kept if
+there (delete it to redo). Writes OUT/summary.md: per method, each set's speedup (the bench's
+median over its repeats), the median of every set's per-repeat ratios with their range, the
+same over full-batch decode, the lowest parity, and each set's target step in ms (selfspec
+methods: ``verify`` seconds a step). ``--summary-only`` pools what OUT holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def pool(results: list[dict]) -> dict[str, dict]:
+    """Per method, its figures over the sets (``results``: each set's bench results.json). For
+    example, a method at 0.98 / 0.99 in one set and 1.03 / 1.01 in another::
+
+        >>> sets = [{"methods": {"m": {"speedup": 0.985, "speedup_runs": [0.98, 0.99],
+        ...          "parity": 1.0}}},
+        ...         {"methods": {"m": {"speedup": 1.02, "speedup_runs": [1.03, 1.01],
+        ...          "parity": 1.0}}}]
+        >>> p = pool(sets)["m"]
+        >>> p["per_set"], p["speedup"], p["range"]
+        ([0.985, 1.02], 1.0, (0.98, 1.03))
+    """
+    names = list(results[0]["methods"])
+    for i, r in enumerate(results[1:], 2):
+        if list(r["methods"]) != names:
+            raise ValueError(f"set {i} ran {list(r['methods'])}, set 1 ran {names}")
+    pooled = {}
+    for name in names:
+        ms = [r["methods"][name] for r in results]
+        runs = [x for m in ms for x in m["speedup_runs"]]
+        full = [x for m in ms for x in m.get("full_batch_speedup_runs") or []]
+        steps = []
+        for m in ms:
+            st = m.get("selfspec_stats")
+            if st and st.get("steps"):
+                steps.append(1000 * st["time_s"]["verify"] / st["steps"])
+        pooled[name] = {
+            "per_set": [m["speedup"] for m in ms],
+            "speedup": statistics.median(runs),
+            "range": (min(runs), max(runs)),
+            "full_batch_speedup": statistics.median(full) if full else None,
+            "parity": min(m["parity"] for m in ms),
+            "step_ms": steps,
+        }
+    return pooled
+
+
+def markdown(pooled: dict[str, dict], commands: list[str]) -> str:
+    lines = [
+        "| method | speedup per set | all sets' repeats: median [range] | full-batch decode | "
+        "parity | target step per set (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, p in pooled.items():
+        lo, hi = p["range"]
+        full = p["full_batch_speedup"]
+        lines.append(
+            f"| {name} | "
+            + " / ".join(f"{x:.3f}" for x in p["per_set"])
+            + f" | {p['speedup']:.3f}x [{lo:.3f}, {hi:.3f}] | "
+            + (f"{full:.3f}x" if full is not None else "–")
+            + f" | {p['parity']:.2f} | "
+            + (" / ".join(f"{x:.1f}" for x in p["step_ms"]) or "–")
+            + " |"
+        )
+    lines += ["", "Each set's command:", ""] + [
+        f"- set {i}: `{c}`" for i, c in enumerate(commands, 1)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    bench_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", required=True)
+    p.add_argument("--sets", type=int, default=3)
+    p.add_argument("--summary-only", action="store_true")
+    args = p.parse_args(own)
+    out = Path(args.out)
+    if not args.summary_only:
+        if "--out" in bench_args:
+            p.error("the sets' --out is OUT/set<i>: give the bench no --out")
+        for i in range(1, args.sets + 1):
+            target = out / f"set{i}"
+            if (target / "results.json").is_file():
+                continue
+            cmd = [sys.executable, "-m", "vllm_selfspec.bench", *bench_args, "--out", str(target)]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
+    paths = sorted(out.glob("set*/results.json"), key=lambda q: int(q.parent.name[3:]))
+    results = [json.loads(q.read_text(encoding="utf-8")) for q in paths]
+    if not results:
+        p.error(f"no set*/results.json under {out}")
+    text = markdown(pool(results), [r["settings"]["command_line"] for r in results])
+    (out / "summary.md").write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
