@@ -33,6 +33,7 @@ Numerics (the spec, shared by both paths):
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -46,9 +47,11 @@ except ImportError:  # the reference path needs no Triton
 
 FORCE_TRITON_ENV = "VLLM_SELFSPEC_FORCE_TRITON"
 
-# Tile sizes of the Triton kernel (tl.dot needs every dimension >= 16).
+# Default tile sizes and launch options of the Triton kernel (tl.dot needs every dimension >= 16).
 BLOCK_V = 128
 BLOCK_D = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
 # Number of programs the split-V heuristic aims for when the device's SM count is unknown (interpreter).
 DEFAULT_TARGET_PROGRAMS = 8
 
@@ -134,25 +137,38 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _split_vocab(vocab: int, splits: int) -> tuple[int, int]:
-    """(num_splits, chunk): chunks of a multiple of BLOCK_V columns, none of them empty."""
-    chunk = _cdiv(_cdiv(vocab, splits), BLOCK_V) * BLOCK_V
+def _split_vocab(vocab: int, splits: int, block_v: int = BLOCK_V) -> tuple[int, int]:
+    """(num_splits, chunk): chunks of a multiple of block_v columns, none of them empty."""
+    chunk = _cdiv(_cdiv(vocab, splits), block_v) * block_v
     return _cdiv(vocab, chunk), chunk
+
+
+class Tiles(NamedTuple):
+    """One launch of the kernel: its tiles, Triton's launch options and the split-V plan."""
+
+    block_n: int  # rows per program
+    splits: int  # vocabulary chunks (programs along V)
+    chunk: int  # columns per chunk, a multiple of block_v
+    block_v: int = BLOCK_V
+    block_d: int = BLOCK_D
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
 
 
 def launch_config(
     num_rows: int, vocab: int, target_programs: int = DEFAULT_TARGET_PROGRAMS
-) -> tuple[int, int, int]:
-    """Tile plan for ``num_rows`` x ``vocab``: returns (BLOCK_N, num_splits, chunk).
+) -> Tiles:
+    """Tile plan for ``num_rows`` x ``vocab``.
 
-    Rows go in blocks of BLOCK_N (each block streams its vocabulary chunk of the weight). When there
-    are fewer row blocks than ``target_programs``, the vocabulary is split into ``num_splits`` chunks
-    of ``chunk`` columns so that the GPU still has enough programs (split-V).
+    Rows go in blocks of ``block_n`` (each block streams its vocabulary chunk of the weight). When
+    there are fewer row blocks than ``target_programs``, the vocabulary is split into ``splits``
+    chunks of ``chunk`` columns so that the GPU still has enough programs (split-V).
+    ``benchmarks/lm_head_tiles.py`` times alternatives to this plan on a GPU.
     """
     block_n = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
     row_blocks = _cdiv(num_rows, block_n)
     splits = max(1, min(_cdiv(target_programs, row_blocks), _cdiv(vocab, BLOCK_V)))
-    return (block_n, *_split_vocab(vocab, splits))
+    return Tiles(block_n, *_split_vocab(vocab, splits))
 
 
 if HAS_TRITON:
@@ -279,9 +295,11 @@ def lm_head_argmax_triton(
         empty = torch.empty(0, device=device)
         return empty.long(), empty.float(), None if token_ids is None else empty.float()
 
-    block_n, splits, chunk = launch_config(n, vocab, _target_programs(device))
+    tiles = launch_config(n, vocab, _target_programs(device))
     if num_splits is not None:
-        splits, chunk = _split_vocab(vocab, num_splits)
+        splits, chunk = _split_vocab(vocab, num_splits, tiles.block_v)
+        tiles = tiles._replace(splits=splits, chunk=chunk)
+    splits = tiles.splits
 
     part_max = torch.empty(splits, n, dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
@@ -294,7 +312,7 @@ def lm_head_argmax_triton(
     # normalised once here (not per vocabulary tile in the kernel), with the reference's own ops
     hidden = lm_head_input(hidden, weight.dtype, norm_weight, eps)
 
-    _lm_head_argmax_partial_kernel[(_cdiv(n, block_n), splits)](
+    _lm_head_argmax_partial_kernel[(_cdiv(n, tiles.block_n), splits)](
         hidden,
         weight,
         tok,
@@ -306,16 +324,18 @@ def lm_head_argmax_triton(
         n,
         vocab,
         d,
-        chunk,
+        tiles.chunk,
         hidden.stride(0),
         hidden.stride(1),
         weight.stride(0),
         weight.stride(1),
         HAS_TOKENS=token_ids is not None,
         HAS_SUBSET=vocab_index is not None,
-        BLOCK_N=block_n,
-        BLOCK_V=BLOCK_V,
-        BLOCK_D=BLOCK_D,
+        BLOCK_N=tiles.block_n,
+        BLOCK_V=tiles.block_v,
+        BLOCK_D=tiles.block_d,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
     # Combine the splits (tiny: [splits, N]). argmax over splits takes the first, i.e. lowest-V, split

@@ -49,7 +49,7 @@ def shadow_memory(
     target_programs: int = H100_TARGET_PROGRAMS,
 ) -> ShadowMemory:
     rows = layers * (gamma + 1)
-    _, splits, _ = launch_config(rows, vocab, target_programs)
+    splits = launch_config(rows, vocab, target_programs).splits
     return ShadowMemory(
         name=name,
         layers=layers,
