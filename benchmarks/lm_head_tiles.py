@@ -43,7 +43,6 @@ def configs(rows: int) -> list[tuple[int, int, int, int, int]]:
 
 def main() -> None:
     from triton.testing import do_bench, do_bench_cudagraph
-
     from vllm_selfspec.kernels import lm_head_argmax as lm
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -84,10 +83,16 @@ def main() -> None:
             finally:
                 lm.launch_config = default_plan
         results.sort(key=lambda r: r[0])
-        print(f"\n{name}: launch_config {tuple(base)} {base_ms:.3f} ms (graph {graph:.3f} ms); "
-              f"{len(results)} of {len(configs(n))} alternatives tried")
+        print(
+            f"\n{name}: launch_config {tuple(base)} {base_ms:.3f} ms (graph {graph:.3f} ms); "
+            f"{len(results)} of {len(configs(n))} alternatives tried"
+        )
         for r in results[:5]:
-            print("   %.3f ms  block_n %d block_v %d block_d %d warps %d stages %d  ids equal %s" % r)
+            ms, bn, bv, bd, w, st, ok = r
+            print(
+                f"   {ms:.3f} ms  block_n {bn} block_v {bv} block_d {bd} warps {w} stages {st}"
+                f"  ids equal {ok}"
+            )
         bad = [r for r in results if r[6] is not True]
         if bad:
             print(f"   {len(bad)} alternatives failed or disagreed: {bad[:3]}")

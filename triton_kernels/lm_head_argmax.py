@@ -11,8 +11,8 @@ at layer l have predicted, and how confident was it?". They only need three numb
 never the [N, V] logits. Materialising them costs N x V x 4 bytes (141 MiB for Llama-3-8B shapes, see
 ``memory.py``), so the Triton kernel streams the LM-head weight in vocabulary tiles and keeps an
 *online softmax* per row instead: running max, running sum of exp, running argmax and the logit of
-the requested token. For few rows it also splits the vocabulary across programs (split-V) and
-combines the per-split partials in PyTorch.
+the requested token. For few rows it also splits the vocabulary across programs (split-V); a
+second small kernel combines the per-split partials.
 
 Numerics (the spec, shared by both paths):
 
@@ -52,6 +52,8 @@ BLOCK_V = 128
 BLOCK_D = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
+# Rows per program of the kernel that combines the vocabulary splits.
+COMBINE_ROWS = 128
 # Number of programs the split-V heuristic aims for when the device's SM count is unknown (interpreter).
 DEFAULT_TARGET_PROGRAMS = 8
 
@@ -165,10 +167,15 @@ def launch_config(
     chunks of ``chunk`` columns so that the GPU still has enough programs (split-V).
     ``benchmarks/lm_head_tiles.py`` times alternatives to this plan on a GPU.
     """
-    block_n = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+    if (
+        num_rows > 64
+    ):  # many rows: larger row blocks, more warps and stages (tile sweeps on an H100)
+        block_n, warps, stages = 128, 8, 4
+    else:
+        block_n, warps, stages = (16 if num_rows <= 16 else 32 if num_rows <= 32 else 64), 4, 3
     row_blocks = _cdiv(num_rows, block_n)
     splits = max(1, min(_cdiv(target_programs, row_blocks), _cdiv(vocab, BLOCK_V)))
-    return Tiles(block_n, *_split_vocab(vocab, splits))
+    return Tiles(block_n, *_split_vocab(vocab, splits), num_warps=warps, num_stages=stages)
 
 
 if HAS_TRITON:
@@ -262,6 +269,50 @@ if HAS_TRITON:
         if HAS_TOKENS:
             tl.store(part_tok_ptr + out, run_tok, mask=row_mask)
 
+    @triton.jit
+    def _lm_head_argmax_combine_kernel(
+        part_max_ptr,
+        part_sum_ptr,
+        part_arg_ptr,
+        part_tok_ptr,
+        vidx_ptr,
+        ids_ptr,
+        max_prob_ptr,
+        tok_prob_ptr,
+        N,
+        splits,
+        HAS_TOKENS: tl.constexpr,
+        HAS_SUBSET: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        """BLOCK_R rows: merge the splits' online-softmax states in split order (a later split
+        wins the argmax only if strictly larger: lowest index on a tie) into the three outputs."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = rows < N
+        run_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        run_arg = tl.zeros([BLOCK_R], dtype=tl.int32)
+        run_tok = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for sp in range(0, splits):
+            at = sp * N + rows
+            m = tl.load(part_max_ptr + at, mask=mask, other=float("-inf"))
+            new_max = tl.maximum(run_max, m)
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.load(
+                part_sum_ptr + at, mask=mask, other=0.0
+            ) * tl.exp(m - new_max)
+            run_arg = tl.where(m > run_max, tl.load(part_arg_ptr + at, mask=mask, other=0), run_arg)
+            run_max = new_max
+            if HAS_TOKENS:
+                t = tl.load(part_tok_ptr + at, mask=mask, other=float("-inf"))
+                run_tok = tl.maximum(run_tok, t)
+        ids = run_arg.to(tl.int64)
+        if HAS_SUBSET:
+            ids = tl.load(vidx_ptr + run_arg, mask=mask, other=0)
+        tl.store(ids_ptr + rows, ids, mask=mask)
+        tl.store(max_prob_ptr + rows, 1.0 / run_sum, mask=mask)  # exp(max - max) / sum
+        if HAS_TOKENS:
+            tl.store(tok_prob_ptr + rows, tl.exp(run_tok - run_max) / run_sum, mask=mask)
+
 
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
@@ -338,17 +389,26 @@ def lm_head_argmax_triton(
         num_stages=tiles.num_stages,
     )
 
-    # Combine the splits (tiny: [splits, N]). argmax over splits takes the first, i.e. lowest-V, split
-    # on a tie, which keeps the lowest-index rule across chunks.
-    best = part_max.argmax(dim=0, keepdim=True)
-    row_max = part_max.gather(0, best)
-    row_sum = (part_sum * torch.exp(part_max - row_max)).sum(dim=0)
-    pos = part_arg.gather(0, best)[0].long()
-    argmax_ids = pos if vocab_index is None else vocab_index.long()[pos]
-    max_prob = 1.0 / row_sum  # exp(max - max) / sum
-    token_prob = None
-    if token_ids is not None:
-        token_prob = torch.exp(part_tok.max(dim=0).values - row_max[0]) / row_sum
+    # Combine the splits (tiny: [splits, N]) in one launch: eagerly, the dozen PyTorch ops it
+    # replaces cost more host time than the projection's GPU time on small models.
+    argmax_ids = torch.empty(n, dtype=torch.int64, device=device)
+    max_prob = torch.empty(n, dtype=torch.float32, device=device)
+    token_prob = torch.empty_like(max_prob) if token_ids is not None else None
+    _lm_head_argmax_combine_kernel[(_cdiv(n, COMBINE_ROWS),)](
+        part_max,
+        part_sum,
+        part_arg,
+        part_tok,
+        vidx,
+        argmax_ids,
+        max_prob,
+        max_prob if token_prob is None else token_prob,
+        n,
+        splits,
+        HAS_TOKENS=token_ids is not None,
+        HAS_SUBSET=vocab_index is not None,
+        BLOCK_R=COMBINE_ROWS,
+    )
     return argmax_ids, max_prob, token_prob
 
 

@@ -138,7 +138,9 @@ def test_launch_config_splits_small_batches():
     assert (block_n, splits, chunk) == (16, 8, 128)
     _, splits, chunk = lm.launch_config(1, 49152, target_programs=264)[:3]
     assert splits > 1 and chunk % lm.BLOCK_V == 0 and (splits - 1) * chunk < 49152 <= splits * chunk
-    assert lm.launch_config(1000, 49152, target_programs=8).splits == 1  # enough row blocks: no split
+    assert (
+        lm.launch_config(1000, 49152, target_programs=8).splits == 1
+    )  # enough row blocks: no split
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["one-split", "4-splits"])
