@@ -1,7 +1,8 @@
 """Hidden-state capture during verification, checked against a plain HF-transformers forward.
 
 A probe policy (registered for this test only) drafts with the full model, asks the engine for the
-residual stream after layers 1, 7, 15 and 29, and records every Feedback it is given. The engine
+residual stream entering the first layer (layer 0: the engine embeds the rows' tokens) and after
+layers 1, 7, 15 and 29 (vLLM's EAGLE-3 hook), and records every Feedback it is given. The engine
 runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the test can read those records.
 
 For each record: the targets must be exactly the tokens of the final sequence the captured rows
@@ -22,7 +23,7 @@ from vllm_selfspec.plans import LayerPlan
 from vllm_selfspec.policies import DraftDecision, Policy
 
 pytestmark = pytest.mark.engine
-CAPTURE = (1, 7, 15, 29)
+CAPTURE = (0, 1, 7, 15, 29)
 
 
 class ProbePolicy(Policy):

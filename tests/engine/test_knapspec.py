@@ -74,19 +74,27 @@ def test_greedy_parity_with_vanilla(model_path, in_process, monkeypatch):
 
 
 class RecordingPolicy(KnapSpecPolicy):
-    """KnapSpec that, at its first search, also runs a few sub-layers on chosen candidates."""
+    """KnapSpec that, at its first search, runs the full model's sub-layers from the captured
+    embeddings (as the DP computes its references) and a few sub-layers on chosen candidates."""
 
     name = "_knapspec_probe"
     records: list = []
+    layer_inputs: list = []  # the states entering each layer 0..L, by chained sub-layers
 
     def optimise(self, state, model):
         if not RecordingPolicy.records:
             first = state.rounds[0][0]
-            hidden = torch.cat([h for _, h in state.rounds], dim=1)  # [L+1, r, d]
+            hidden = torch.cat([h for _, h in state.rounds], dim=1)  # [1, r, d]: embeddings
             positions = torch.arange(first, first + hidden.shape[1])
+            x = hidden[0]
+            RecordingPolicy.layer_inputs = [x]
+            for s in range(2 * self.model.num_layers):
+                x = model.sublayer(s, x.unsqueeze(0), positions)[0]
+                if s % 2:
+                    RecordingPolicy.layer_inputs.append(x)
             g = torch.Generator().manual_seed(0)
             for s in (0, 10, 11, 58):  # attention of layers 0 and 5, MLP of 5, attention of 29
-                x = hidden[s // 2]
+                x = RecordingPolicy.layer_inputs[s // 2]
                 cand = torch.stack(
                     [x, 0.9 * x + 0.05 * torch.randn(x.shape, generator=g), x.flip(0)]
                 )  # 3 candidates: the block table repeated 3 times
@@ -144,9 +152,13 @@ def test_search_sublayers_match_plain_pytorch_and_write_nothing(
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     with torch.no_grad():
         hs = hf(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        P = len(out.prompt_token_ids)  # the prefill's last 6 rows: positions P-6 .. P-1
+        # the DP's references: the full model's states, computed from the embeddings alone
+        assert len(RecordingPolicy.layer_inputs) == hf.config.num_hidden_layers + 1
+        for layer, x in enumerate(RecordingPolicy.layer_inputs[:-1]):  # hs[L] is after the norm
+            torch.testing.assert_close(x.float(), hs[layer][0, P - 6 : P], atol=2e-3, rtol=2e-3)
         for s, positions, cand, got, untouched in records:
             assert untouched, f"sub-layer {s} wrote into the KV cache"
-            P = len(out.prompt_token_ids)  # the prefill's last 6 rows: positions P-6 .. P-1
             assert positions.tolist() == list(range(P - 6, P))
             want = _reference(hf, s, cand.float(), positions, hs[s // 2][0])
             torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)

@@ -209,9 +209,7 @@ def _policy(L=3, **opts):
 def _feedback(n, m, L=3):
     from vllm_selfspec.policies import Feedback
 
-    return Feedback(
-        0, 0, n, hidden=torch.randn(L + 1, m, D), targets=torch.zeros(m, dtype=torch.long)
-    )
+    return Feedback(0, 0, n, hidden=torch.randn(1, m, D), targets=torch.zeros(m, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
@@ -230,7 +228,7 @@ def test_policy_rejects_bad_options(opts, match):
 
 def test_policy_history_interval_and_weight_change():
     p = _policy(interval=3, history_rounds=2)
-    assert p.capture_layers == (0, 1, 2, 3) and p.min_confidence == 0.7
+    assert p.capture_layers == (0,) and p.min_confidence == 0.7
     st = p.new_state()
     p.observe(st, _feedback(n=20, m=8))  # prefill: rows at positions 11..18
     assert st.rounds[0][0] == 11 and p.wants_optimise(st)

@@ -113,6 +113,10 @@ class SelfSpecProposer:
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capture_layers = tuple(sorted(set(self.policy.capture_layers)))
+        #: the layers vLLM's EAGLE-3 hook returns; layer 0 (the embeddings) is never taken from
+        #: it: the hook hands back the embedding tensor itself, which the first layer's fused
+        #: add + norm may update in place on GPU. ``_capture`` embeds the rows' tokens instead.
+        self.aux_layers = tuple(layer for layer in self.capture_layers if layer > 0)
         self.capture_tokens = self.config.capture_tokens
         self.states: dict[str, Any] = {}
         self.stats = EngineStats()
@@ -310,7 +314,8 @@ class SelfSpecProposer:
         # the choice of drafts itself only where choices pay for their own cost
         feedback_due, search_due, look = self._due()
         captured: dict[int, tuple] = {}
-        if self.capture_layers and aux_hidden_states is not None and feedback_due:
+        have_aux = aux_hidden_states is not None or not self.aux_layers
+        if self.capture_layers and have_aux and feedback_due:
             t_shadow = time.perf_counter()
             with st.timer("shadow"):
                 rows = [
@@ -548,8 +553,18 @@ class SelfSpecProposer:
             rows.extend(range(qsl[i] + valid - m, qsl[i] + valid))
         if not rows:
             return {}
-        idx = torch.tensor(rows, device=aux[0].device)
-        hidden = torch.stack([a.index_select(0, idx) for a in aux])  # [n_layers, rows, d]
+        layers = []
+        if self.capture_layers[0] == 0:  # the rows' input tokens, embedded (see aux_layers)
+            inputs = []
+            for i, _, m in spans:
+                n = int(ib.num_tokens_no_spec[i])  # row t predicts token n-m+t, at n-m-1+t
+                inputs.append(ib.token_ids_cpu[i, n - m - 1 : n - 1])
+            ids = torch.from_numpy(np.concatenate(inputs).astype(np.int64))
+            layers.append(self.executor.layout.embed(ids.to(self.runner.device)))
+        if aux:
+            idx = torch.tensor(rows, device=aux[0].device)
+            layers.extend(a.index_select(0, idx) for a in aux)
+        hidden = torch.stack(layers)  # [n_layers, rows, d]
         tokens = probs = None
         if self.policy.shadow:
             tokens, probs = self.shadow.project(hidden, self.shadow_heads)

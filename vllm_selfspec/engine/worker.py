@@ -117,8 +117,8 @@ class SelfSpecRunnerMixin:
 
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         drafter = self._selfspec()
-        if drafter is not None and drafter.capture_layers:
-            drafter.executor.layout.set_capture_layers(drafter.capture_layers)
+        if drafter is not None and drafter.aux_layers:
+            drafter.executor.layout.set_capture_layers(drafter.aux_layers)
             return
         super()._setup_eagle3_aux_hidden_state_outputs()
 
@@ -203,7 +203,7 @@ class SelfSpecWorker(_BaseWorker):
             runner.rejection_sampler = GreedyVerification(runner.rejection_sampler, drafter.stats)
             if drafter.lossy:
                 runner.rejection_sampler = UnverifiedAcceptance(runner.rejection_sampler)
-            if drafter.capture_layers:  # must be set before load_model()
+            if drafter.aux_layers:  # must be set before load_model()
                 runner.use_aux_hidden_state_outputs = True
 
     def selfspec_forget_outputs(self) -> None:  # see vllm_selfspec.forget_outputs

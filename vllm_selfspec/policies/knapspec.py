@@ -3,11 +3,15 @@ paper, §3, Algorithm 1; the search itself is in ``knapsack.py``).
 
 Per request:
 
-* **Data.** The engine captures the residual stream of the verified rows at every layer boundary
-  (``capture_layers = 0..L``) with the tokens they predict; the policy keeps the rows of the last
-  ``history_rounds`` rounds (m; the prompt's last ``capture_tokens`` rows at prefill). The rows of
-  consecutive rounds are consecutive positions; a gap (e.g. after a preemption) restarts the
-  history.
+* **Data.** The engine hands over the residual stream entering the first layer (the embeddings,
+  ``capture_layers = (0,)``) of the verified rows, with the tokens they predict; the policy keeps
+  the rows of the last ``history_rounds`` rounds (m; the prompt's last ``capture_tokens`` rows at
+  prefill). The rows of consecutive rounds are consecutive positions; a gap (e.g. after a
+  preemption) restarts the history. The full model's states after each sub-layer, which the DP
+  compares against, are computed inside the search (one more member of each batched sub-layer
+  call, over the request's KV cache) rather than captured at every layer of every target forward:
+  that capture cost 3-6% of the target's step at batch 16 on the CPU (docs/benchmarks.md), while
+  the search runs once per ``interval`` steps.
 * **Optimisation** every ``interval`` steps (T), at the first step, and whenever the context has
   grown enough that the knapsack weights (w_attn, w_mlp) at the current length change: the engine
   runs ``optimise`` with sub-layers on the live model over the request's own KV cache; the DP
@@ -39,7 +43,7 @@ from .base import DraftDecision, Feedback, ModelInfo, Policy
 
 @dataclass
 class KnapSpecState:
-    #: (first position, hidden [L+1, m, d]) of the last rounds that captured rows
+    #: (first position, embeddings [1, m, d]) of the last rounds that captured rows
     rounds: deque = field(default_factory=deque)
     steps: int = 0  # steps since the last optimisation
     context_len: int = 0
@@ -101,7 +105,8 @@ class KnapSpecPolicy(Policy):
         conf = config["min_confidence"]
         self.min_confidence = None if conf is None else float(conf)
         L = model.num_layers
-        self.capture_layers = tuple(range(L + 1))
+        #: the rows' embeddings only: the DP computes the full model's states itself
+        self.capture_layers = (0,)
         self.no_draft = DraftDecision(LayerPlan.full(L), 0)
         #: the latest search's decision: a request drafts with it until its own search
         self.latest: DraftDecision | None = None
@@ -145,9 +150,9 @@ class KnapSpecPolicy(Policy):
         if self.latency is None:
             raise RuntimeError("knapspec: the engine must set the latency model before optimise")
         first = state.rounds[0][0]
-        hidden = torch.cat([h for _, h in state.rounds], dim=1)  # [L+1, r, d]
+        hidden = torch.cat([h for _, h in state.rounds], dim=1)  # [1, r, d]
         positions = torch.arange(first, first + hidden.shape[1])
-        refs = {2 * layer: hidden[layer] for layer in range(self.model.num_layers + 1)}
+        refs = {0: hidden[0]}  # X(k), k > 0: the full model's sub-layers, run by the DP
         choice = knapsack.search(
             refs,
             lambda s, x: model.sublayer(s, x, positions),
