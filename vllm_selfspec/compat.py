@@ -86,8 +86,8 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
 ``propose_draft_token_ids`` arguments:                  verification feedback: accepted counts and
   ``sampled_token_ids`` (``list[list[int]]``),          the verified rows' hidden states
   ``aux_hidden_states`` (one ``[tokens, d]`` per        (proposer._capture)
-  capture layer, sorted; layer l = stream after
-  l layers), ``common_attn_metadata
+  capture layer > 0, sorted; layer l = stream
+  after l layers), ``common_attn_metadata
   .query_start_loc_cpu``, ``sample_hidden_states``      feature heads: the final layer's output
   (the model's normed output at the logits rows:        at the position that sampled each
   per request ``num_draft_tokens + 1`` rows in batch    request's last token

@@ -113,7 +113,8 @@ class Policy(ABC):
         #: the trained heads' config.json (None: no heads, or ``heads`` still "auto")
         self.heads = heads
 
-    #: layer counts after which the engine captures the residual stream for observe()
+    #: layer counts after which the engine captures the residual stream for observe() (0: the
+    #: stream entering the first layer, the rows' embeddings)
     capture_layers: tuple[int, ...] = ()
     #: project the captured rows through each layer's exit head into shadow tokens (batched over
     #: the whole batch by the engine); the policy then sees tokens and confidences, not hidden
