@@ -167,9 +167,9 @@ def launch_config(
     chunks of ``chunk`` columns so that the GPU still has enough programs (split-V).
     ``benchmarks/lm_head_tiles.py`` times alternatives to this plan on a GPU.
     """
-    if (
-        num_rows > 64
-    ):  # many rows: larger row blocks, more warps and stages (tile sweeps on an H100)
+    # many rows: larger row blocks (each streams the weight once), more warps and stages, as the
+    # tile sweeps on an H100 found (docs/benchmarks.md, "The LM head's combine and tiles")
+    if num_rows > 64:
         block_n, warps, stages = 128, 8, 4
     else:
         block_n, warps, stages = (16 if num_rows <= 16 else 32 if num_rows <= 32 else 64), 4, 3
