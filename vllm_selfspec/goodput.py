@@ -722,6 +722,8 @@ class GoodputController:
     _look_cost: float | None = None
     _look_next: bool = True  # the last choice drafted or was not searched: the next is made
     _skipped_in_row: int = 0
+    #: the last choice's per-token bar (tokens per second of a token's own cost; ``weighed``)
+    _floor: float | None = None
 
     def __post_init__(self) -> None:
         #: self-drafting steps (paid) and lookup-only steps (free) are judged apart: a failing
@@ -871,30 +873,12 @@ class GoodputController:
             self._pending, self._plain_pending = None, True
             return Choice([0] * n, float(n), plain, plain)
         paid, free = self.nets["paid"], self.nets["free"]
-        # a paused kind of draft is left out; each kind's estimates are scaled by its record
-        scaled = []
-        for c in cands:
-            net = free if c.free else paid
-            if not net.open or c.max_tokens <= 0:
-                scaled.append(Candidate(0, c.accept, free=c.free))
-                continue
-            # the measured/predicted extra seconds scale a token's whole cost, its verification
-            # (v1) included: as a row cost, so that a lookup draft's is scaled too
-            t = net.time_calibration()
-            scaled.append(
-                Candidate(
-                    c.max_tokens,
-                    net.token_calibration() * c.accept,
-                    t * c.row_seconds + (t - 1.0) * v1,
-                    t * c.plan_seconds,
-                    c.free,
-                )
-            )
+        scaled = [self._scaled(c, v1) for c in cands]
         best = Choice([0] * n, float(n), plain, plain)
         best_rate = n / plain
         # each token must pay for itself by the margin: a token near break-even adds nothing
         # but the risk of a wrong estimate, wherever the rest of the step stands
-        floor = (1.0 + self.margin) * base / plain
+        floor = self._floor = (1.0 + self.margin) * base / plain
         # draft steps are searched only if some self-draft token clears that bar (its first is
         # its likeliest); otherwise a draft step would only add its fixed cost to the free drafts
         depth = max(
@@ -949,6 +933,40 @@ class GoodputController:
         self._pending = best if best.kind else None
         self._plain_pending = not any(best.tokens)
         return best
+
+    def _scaled(self, c: Candidate, v1: float) -> Candidate:
+        """A candidate as the choice prices it: none of a paused kind of draft; each kind's
+        estimates scaled by its record (``SafetyNet``'s calibrations)."""
+        net = self.nets["free" if c.free else "paid"]
+        if not net.open or c.max_tokens <= 0:
+            return Candidate(0, c.accept, free=c.free)
+        # the measured/predicted extra seconds scale a token's whole cost, its verification
+        # (v1) included: as a row cost, so that a lookup draft's is scaled too
+        t = net.time_calibration()
+        return Candidate(
+            c.max_tokens,
+            net.token_calibration() * c.accept,
+            t * c.row_seconds + (t - 1.0) * v1,
+            t * c.plan_seconds,
+            c.free,
+        )
+
+    def weighed(self, free: Candidate, paid: Candidate, v1: float) -> tuple[Candidate, Candidate]:
+        """A request's lookup draft and its self-draft as the next choice will price them, for
+        ``prefer_free`` to pick one of: each scaled (``_scaled``: none of a paused kind), and
+        the self-draft dropped where its first token does not clear the last choice's per-token
+        bar, so that ``choose`` would search no draft step for it. Without this a self-draft
+        that the choice then cuts (a paused self-drafter, estimates measured four times too
+        high, a draft step dearer than its token is worth) took the place of a lookup draft it
+        would have verified."""
+        free, paid = self._scaled(free, v1), self._scaled(paid, v1)
+        if (
+            paid.max_tokens
+            and self._floor is not None
+            and paid.accept[0] <= self._floor * (v1 + paid.row_seconds)
+        ):
+            paid = Candidate(0, paid.accept)
+        return free, paid
 
     def _probe_idle(self) -> int:
         """Steps since self-drafts last ran or a probe was skipped (the probe clock)."""

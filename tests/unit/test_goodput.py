@@ -14,6 +14,7 @@ from vllm_selfspec.goodput import (
     PlainReference,
     SearchBudget,
     StepCostModel,
+    prefer_free,
 )
 
 
@@ -350,6 +351,59 @@ def test_a_failing_self_drafter_does_not_stop_free_drafts():
     assert ctl.nets["paid"].achieved < 1.0
     choice = ctl.choose([self_draft, lookup])
     assert choice.tokens[1] > 0 and choice.kind == "free"
+
+
+def test_a_self_draft_the_controller_would_cut_does_not_displace_a_requests_lookup_draft():
+    """A request with both options gets one (``prefer_free``): its self-draft, estimated at 0.9
+    for a dear draft step, outweighs its lookup draft at 0.3 on the raw estimates. Once its
+    self-drafts emit nothing of what they promised (calibrated down to a quarter), or the
+    self-drafter is paused, the choice would cut that self-draft: weighed as the choice prices
+    them (``GoodputController.weighed``), the lookup draft is offered instead, and verified."""
+    costs = measured()
+    ctl = GoodputController(costs)
+    plain, v1 = costs.target_seconds(2), costs.token_seconds()
+    self_draft, lookup = cand(0.9, 4, costs), Candidate(4, np.cumprod([0.3] * 4), free=True)
+    assert not prefer_free(lookup, self_draft, v1)  # the raw estimates pick the self-draft
+    assert not prefer_free(*ctl.weighed(lookup, self_draft, v1), v1)  # so does the controller
+    for _ in range(40):  # self-drafting steps accept nothing and measure at half plain's rate
+        choice = ctl.choose([self_draft, Candidate(0, np.zeros(0))])
+        if any(choice.tokens):
+            ctl.settle(emitted=2, requests=2, seconds=2 * plain)
+    assert ctl.calibration() == 0.25
+    assert not any(ctl.choose([self_draft, Candidate(0, np.zeros(0))]).tokens)
+    for paused in (0, 5):
+        ctl.nets["paid"].paused = paused
+        option = lookup if prefer_free(*ctl.weighed(lookup, self_draft, v1), v1) else self_draft
+        assert option is lookup
+        choice = ctl.choose([Candidate(0, np.zeros(0)), option])
+        assert choice.tokens[1] > 0 and choice.kind == "free"
+
+
+def test_a_lookup_estimate_under_a_self_draft_that_cannot_pay_still_recovers():
+    """A request's lookup drafts once failed (its estimate is near 0) and now would all be
+    accepted; its self-draft (a deep plan at 0.2) never clears the choice's bar at batch 1. On
+    the raw estimates the self-draft is its option every step, the choice cuts it every step,
+    and the lookup draft is never offered again, so its estimate never recovers. Weighed as the
+    choice prices them, the lookup draft is offered; its probes are accepted, and it drafts."""
+    costs = measured()
+    ctl = GoodputController(costs)
+    v1, plain = costs.token_seconds(), costs.target_seconds(1)
+    c = costs.draft_coefficients()
+    paid = Candidate(4, np.cumprod([0.2] * 4), float(c[2] * 24), float(c[0] + c[1] * 24))
+    tracker = AcceptanceTracker(4)
+    rates = tracker.new_state()
+    for _ in range(8):  # the lookup drafts that failed
+        tracker.observe(rates, 4, 0)
+    lookup_tokens = 0
+    for _ in range(400):
+        lookup = Candidate(4, tracker.cumulative(rates, 4), free=True)
+        option = lookup if prefer_free(*ctl.weighed(lookup, paid, v1), v1) else paid
+        k = ctl.choose([option]).tokens[0]
+        if option.free and k:
+            tracker.observe(rates, k, k)  # every lookup draft accepted now
+            lookup_tokens += k
+        ctl.settle(emitted=1 + (k if option.free else 0), requests=1, seconds=plain + v1 * k)
+    assert lookup_tokens > 400, lookup_tokens
 
 
 def test_free_drafts_back_off_when_they_measure_slower_than_plain():

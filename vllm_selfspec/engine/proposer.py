@@ -478,9 +478,10 @@ class SelfSpecProposer:
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
         """Per request its option for this step: its policy's self-draft, or the free lookup
-        draft (``goodput.prefer_free``)."""
+        draft (``goodput.prefer_free``, each as the controller prices it: ``weighed``)."""
         coef = self.costs.draft_coefficients()
         v1 = self.costs.token_seconds() or 0.0
+        ctl = self.controller
         cands = []
         for i, decision, g in active:
             layers = decision.plan.layer_cost
@@ -497,7 +498,9 @@ class SelfSpecProposer:
                     ),
                     free=True,
                 )
-                if prefer_free(free, cand, v1):
+                # as the controller will price them: a self-draft it would cut gives way
+                weighed = (free, cand) if ctl is None else ctl.weighed(free, cand, v1)
+                if prefer_free(*weighed, v1):
                     cand = free
             cands.append(cand)
         return cands
