@@ -885,7 +885,7 @@ class GoodputController:
             (
                 c.max_tokens
                 for c in scaled
-                if not c.free and c.max_tokens and c.accept[0] > floor * (v1 + c.row_seconds)
+                if not c.free and c.max_tokens and self._clears_bar(c, floor, v1)
             ),
             default=0,
         )
@@ -963,10 +963,17 @@ class GoodputController:
         if (
             paid.max_tokens
             and self._floor is not None
-            and paid.accept[0] <= self._floor * (v1 + paid.row_seconds)
+            and not self._clears_bar(paid, self._floor, v1)
         ):
             paid = Candidate(0, paid.accept)
         return free, paid
+
+    @staticmethod
+    def _clears_bar(c: Candidate, floor: float, v1: float) -> bool:
+        """Whether a scaled self-draft's first token (its likeliest) yields more than ``floor``
+        tokens per second of its own cost (its verification and its row of a draft step): what
+        a draft step is searched for in ``choose``, and what ``weighed`` keeps a self-draft by."""
+        return c.accept[0] > floor * (v1 + c.row_seconds)
 
     def _probe_idle(self) -> int:
         """Steps since self-drafts last ran or a probe was skipped (the probe clock)."""
