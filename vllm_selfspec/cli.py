@@ -23,10 +23,10 @@ def _prepare_model(args) -> int:
 
 
 def _build_vocab(args) -> int:
-    from .vocab import DEFAULT_SOURCES, build_vocab, cached_vocab, coverage
+    from .vocab import DEFAULT_SOURCES, GENERAL_PROMPTS, build_vocab, cached_generations, coverage
 
     model = resolve_model(args.model)
-    found = cached_vocab(model)
+    found = cached_generations(model)  # a map built before generations were kept: rebuilt
     if found is not None and not args.force and args.out is None:
         print(found)
         return 0
@@ -36,6 +36,7 @@ def _build_vocab(args) -> int:
         sources=args.sources or DEFAULT_SOURCES,
         max_new_tokens=args.max_new_tokens,
         max_prompts=args.max_prompts,
+        general=GENERAL_PROMPTS if args.general is None else args.general,
     )
     cov = coverage(out, [1024, 4096, 8192, 16384])
     print(
@@ -180,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompts", type=int, default=None)
+    p.add_argument(
+        "--general",
+        type=int,
+        default=None,
+        help="requests of the heads' general corpus added to the sources (default 192)",
+    )
     p.add_argument("--force", action="store_true", help="build again even if cached")
     p.set_defaults(func=_build_vocab)
 

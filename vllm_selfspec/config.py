@@ -33,7 +33,7 @@ from .heads.embedded import cached_heads
 from .heads.io import read_config as read_heads_config
 from .lookup import check_options as check_lookup
 from .policies import POLICIES, ModelInfo
-from .vocab import cached_vocab, default_vocab_dir
+from .vocab import GENERATIONS_FILE, cached_generations, cached_vocab, default_vocab_dir
 from .vocab import read_config as read_vocab_config
 
 #: config keys shared by every method, with defaults
@@ -383,8 +383,28 @@ class SelfSpecConfig:
             n,
             vocab,
             self.goodput,
-            self.lookup,
+            self._resolved_lookup(model_path),
         )
+
+    def _resolved_lookup(self, model_path: str) -> dict[str, Any]:
+        """The lookup options with ``datastore: "auto"`` made the model's cached corpus
+        generations (none cached: no datastore), a named directory checked to hold them."""
+        store = self.lookup.get("datastore")
+        if store is None:
+            return self.lookup
+        if store == "auto":
+            found = cached_generations(model_path)
+            return {**self.lookup, "datastore": None if found is None else str(found)}
+        try:
+            read_vocab_config(store)
+        except ValueError as e:
+            raise SelfSpecConfigError(f"lookup: datastore: {e}") from e
+        if not os.path.isfile(os.path.join(store, GENERATIONS_FILE)):
+            raise SelfSpecConfigError(
+                f"lookup: datastore {store} holds no corpus generations ({GENERATIONS_FILE}): "
+                f"build it with `vllm-selfspec build-vocab --model {model_path} --out {store}`"
+            )
+        return self.lookup
 
     def _resolved_heads(self, model_path: str) -> dict[str, Any]:
         """The options with ``heads: "auto"`` made the model's cached heads of the method's kind;

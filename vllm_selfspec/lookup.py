@@ -9,8 +9,12 @@ request's last n tokens. ``ContextIndex`` goes further, in the manner of SuffixD
 * a draft is a walk: at each position the longest n-gram ending there that was seen before
   proposes its most frequent follower (the latest one on ties), and the walk continues from the
   drafted token, so a draft can follow a repeated pattern past the end of its first match;
-* where the request's own context has no match, ``SharedIndex`` — the outputs of recently
-  finished requests, bounded — may continue the walk (``"shared": true``);
+* beside the request's own index, ``SharedIndex`` holds the outputs of recently finished requests
+  (bounded; ``"shared": true``) and, pinned, a *datastore*: the model's own greedy generations on
+  an offline corpus (``"datastore"``: the draft-vocabulary map's, ``vocab.py``), so a request has
+  the model's habitual phrasing to draft from before any other request has finished. At each
+  position of a walk the longer match of the two indexes proposes (the request's own on ties:
+  its context is the more specific);
 * each draft token carries its *slot*, the length of the match that proposed it (shared-index
   matches in slots of their own): the engine measures acceptance per slot
   (``goodput.AcceptanceTracker``) and the goodput controller decides how many of the tokens to
@@ -30,8 +34,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-#: lookup options of the config (``"lookup": true`` takes these; a dict overrides them)
-DEFAULTS = {"max_ngram": 4, "min_ngram": 1, "shared": True}
+#: lookup options of the config (``"lookup": true`` takes these; a dict overrides them);
+#: ``datastore``: "auto" (the model's cached corpus generations, none if it has no map), null
+#: (none) or a draft-vocabulary directory built with ``vllm-selfspec build-vocab``
+DEFAULTS = {"max_ngram": 4, "min_ngram": 1, "shared": True, "datastore": "auto"}
 
 
 def check_options(options) -> dict:
@@ -50,6 +56,11 @@ def check_options(options) -> dict:
     merged = {**DEFAULTS, **options}
     if not isinstance(merged["shared"], bool):
         raise ValueError(f"lookup: shared must be true or false, got {merged['shared']!r}")
+    store = merged["datastore"]
+    if store is not None and not (isinstance(store, str) and store):
+        raise ValueError(
+            f'lookup: datastore must be "auto", null or a draft-vocabulary directory, got {store!r}'
+        )
     lo, hi = merged["min_ngram"], merged["max_ngram"]
     if (
         not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
@@ -108,14 +119,32 @@ class NGramTable:
 
 
 class SharedIndex(NGramTable):
-    """The outputs of recently finished requests, for requests whose own context has no match
-    (SuffixDecoding's global tree, kept as n-gram counts). Bounded: past ``capacity`` tokens the
-    oldest outputs are forgotten (their counts taken back)."""
+    """The outputs of recently finished requests (SuffixDecoding's global tree, kept as n-gram
+    counts) and the ``pinned`` datastore sequences. Bounded: past ``capacity`` tokens the oldest
+    outputs are forgotten (their counts taken back); pinned ones stay."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, capacity: int = 100_000) -> None:
+    def __init__(
+        self,
+        max_n: int = 4,
+        min_n: int = 1,
+        capacity: int = 100_000,
+        pinned: Sequence[Sequence[int]] = (),
+    ) -> None:
         super().__init__(max_n, min_n)
         self.capacity = capacity
         self.outputs: deque[list[int]] = deque()
+        self.size = 0
+        for seq in pinned:
+            seq = [int(t) for t in seq]
+            for end in range(1, len(seq)):
+                self._count(seq, end, +1)
+
+    def forget(self) -> None:
+        """Take back every output added (the pinned sequences stay)."""
+        while self.outputs:
+            old = self.outputs.popleft()
+            for end in range(1, len(old)):
+                self._count(old, end, -1)
         self.size = 0
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -150,16 +179,17 @@ class ContextIndex(NGramTable):
 
     def propose(self, k: int, shared: NGramTable | None = None) -> tuple[list[int], list[int]]:
         """Up to ``k`` draft tokens continuing the sequence, with each one's *slot*: its match
-        length n in this request's context, or ``max_n + n`` where only the ``shared`` index
-        (other requests' outputs) had a match."""
+        length n in this request's context, or ``max_n + n`` where the ``shared`` index (other
+        requests' outputs, the datastore) had the longer match."""
         context = self.tokens[-self.max_n :]
         drafts: list[int] = []
         slots: list[int] = []
         for _ in range(k):
-            found = self.next(context)
-            slot_base = 0
-            if found is None and shared is not None:
-                found, slot_base = shared.next(context), self.max_n
+            found, slot_base = self.next(context), 0
+            if shared is not None and (found is None or found[1] < self.max_n):
+                other = shared.next(context)
+                if other is not None and (found is None or other[1] > found[1]):
+                    found, slot_base = other, self.max_n
             if found is None:
                 break
             token, n = found

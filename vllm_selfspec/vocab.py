@@ -9,7 +9,8 @@ still be emitted, only not drafted.
 
 The map counts the tokens of the model's own greedy generations on an offline prompt corpus, and
 of the corpus prompts themselves (by default Python's documentation, ``pydoc_data``, as raw text to
-continue and as chat requests, and everyday requests on ``TOPICS`` — no benchmark prompt), once
+continue and as chat requests, everyday requests on ``TOPICS`` and a sample of the heads' general
+requests and code, ``heads.corpus`` — no benchmark prompt), once
 per model (``vllm-selfspec
 build-vocab``), and is cached beside the trained heads. Tokens never seen rank by id: BPE
 vocabularies give lower ids to earlier (more frequent) merges. On disk, in the heads' format family (docs/heads.md)::
@@ -17,12 +18,19 @@ vocabularies give lower ids to earlier (more frequent) merges. On disk, in the h
     DIR/config.json         format, version, base-model identity (fingerprint), corpus facts
     DIR/vocab.safetensors   "token_ids": every token id by descending count (ties: lower id)
                             "counts":    their counts
+    DIR/generations.safetensors
+                            "tokens":  the greedy generations, one after another (int32)
+                            "lengths": each generation's length
+
+The generations themselves are kept too: context lookup (``lookup.py``, option ``datastore``)
+drafts from them, the model's own phrasing, where a request's context has no longer match.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 import shutil
 import tempfile
 import time
@@ -39,7 +47,12 @@ from .models import home
 FORMAT = "vllm-selfspec-draft-vocab"
 VERSION = 1
 WEIGHTS_FILE = "vocab.safetensors"
+GENERATIONS_FILE = "generations.safetensors"
 DEFAULT_SOURCES = "pydoc,topics"
+#: requests of the heads' default corpus (``heads.corpus``, general chat and code) added to the
+#: sources: the lookup datastore drafts from the generations, and more of them draft more
+#: (docs/benchmarks.md, "A datastore of the model's own generations")
+GENERAL_PROMPTS = 192
 #: the "topics" source: everyday requests on these subjects (none is a benchmark prompt)
 TOPICS = (
     "bread baking",
@@ -110,9 +123,14 @@ def count_tokens(sequences: list[list[int]], vocab_size: int) -> torch.Tensor:
 
 
 def save_vocab(
-    out: str | Path, counts: torch.Tensor, identity: ModelIdentity, corpus: dict[str, Any]
+    out: str | Path,
+    counts: torch.Tensor,
+    identity: ModelIdentity,
+    corpus: dict[str, Any],
+    generations: list[list[int]] | None = None,
 ) -> Path:
-    """Write the map atomically (a temp dir renamed over ``out``)."""
+    """Write the map (and the generations it counted, if given) atomically: a temp dir renamed
+    over ``out``."""
 
     out = Path(out)
     if counts.numel() != identity.vocab_size:
@@ -132,6 +150,15 @@ def save_vocab(
             str(tmp / WEIGHTS_FILE),
             metadata={"format": FORMAT},
         )
+        if generations is not None:
+            save_file(
+                {
+                    "tokens": torch.tensor([t for g in generations for t in g], dtype=torch.int32),
+                    "lengths": torch.tensor([len(g) for g in generations], dtype=torch.int32),
+                },
+                str(tmp / GENERATIONS_FILE),
+                metadata={"format": FORMAT},
+            )
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -163,6 +190,32 @@ def load_vocab(path: str | Path, size: int, *, expect: ModelIdentity | None) -> 
     return ids[:size].clone()
 
 
+def load_generations(path: str | Path, *, expect: ModelIdentity | None) -> list[list[int]]:
+    """The model's greedy generations saved with the map at ``path`` (a list of token-id lists).
+    ``expect``: the model at hand; generations of another model raise ``HeadsMismatchError``."""
+    config = read_config(path)
+    identity = ModelIdentity.from_dict(config["base_model"])
+    if expect is not None:
+        identity.check(expect, what=f"the corpus generations in {path}")
+    file = Path(path) / GENERATIONS_FILE
+    if not file.is_file():
+        raise DraftVocabError(
+            f"{path} holds no corpus generations ({GENERATIONS_FILE}); rebuild it with "
+            f"`vllm-selfspec build-vocab --force`"
+        )
+    data = load_file(str(file))
+    tokens, lengths = data["tokens"].tolist(), data["lengths"].tolist()
+    if sum(lengths) != len(tokens) or min(lengths, default=0) < 0:
+        raise DraftVocabError(f"{file}: lengths do not add up to the {len(tokens)} tokens")
+    if tokens and not 0 <= min(tokens) <= max(tokens) < identity.vocab_size:
+        raise DraftVocabError(f"{file}: token ids outside [0, {identity.vocab_size})")
+    out, at = [], 0
+    for n in lengths:
+        out.append(tokens[at : at + n])
+        at += n
+    return out
+
+
 def coverage(path: str | Path, sizes: list[int]) -> dict[int, float]:
     """Share of the corpus tokens the top-N tokens cover, per N."""
 
@@ -182,6 +235,13 @@ def default_vocab_dir(model_path: str | Path) -> Path:
 def cached_vocab(model_path: str | Path) -> Path | None:
     d = default_vocab_dir(model_path)
     return d if (d / CONFIG_FILE).is_file() else None
+
+
+def cached_generations(model_path: str | Path) -> Path | None:
+    """The model's cached map directory if it holds the corpus generations (maps built before
+    they were kept hold none: ``build-vocab`` rebuilds them)."""
+    d = cached_vocab(model_path)
+    return d if d is not None and (d / GENERATIONS_FILE).is_file() else None
 
 
 def identity_from_checkpoint(model_path: str | Path) -> ModelIdentity:
@@ -220,10 +280,12 @@ def build_vocab(
     sources: str = DEFAULT_SOURCES,
     max_new_tokens: int = 128,
     max_prompts: int | None = None,
+    general: int = GENERAL_PROMPTS,
     batch_size: int = 32,
 ) -> Path:
-    """Count the model's own greedy generations (vanilla vLLM) on ``sources`` and save the map.
-    Call from a ``__main__``-guarded program (vLLM starts worker processes)."""
+    """Count the model's own greedy generations (vanilla vLLM) on ``sources`` and on ``general``
+    requests of the heads' default corpus (a seeded sample) and save the map with the
+    generations. Call from a ``__main__``-guarded program (vLLM starts worker processes)."""
     # build-vocab only: vLLM (and the corpus tools) load when a map is built, not when a config
     # that names one is checked
     from transformers import AutoTokenizer
@@ -240,6 +302,9 @@ def build_vocab(
     if rest:
         prompts += [p.text for p in load_corpus(rest, tokenizer, model_path)]
     prompts = prompts[:max_prompts]
+    if general > 0:
+        pool = [p.text for p in load_corpus("general", tokenizer, model_path)]
+        prompts += random.Random(0).sample(pool, min(general, len(pool)))
     t0 = time.perf_counter()
     llm = LLM(
         model=model_path,
@@ -253,11 +318,13 @@ def build_vocab(
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False
     )
-    generated = count_tokens([list(o.outputs[0].token_ids) for o in outputs], identity.vocab_size)
+    generations = [list(o.outputs[0].token_ids) for o in outputs]
+    generated = count_tokens(generations, identity.vocab_size)
     prompt = count_tokens([list(o.prompt_token_ids) for o in outputs], identity.vocab_size)
     counts = generated + prompt
     corpus = {
         "sources": sources,
+        "general": general,
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "generated_tokens": int(generated.sum()),
@@ -266,4 +333,4 @@ def build_vocab(
         "seconds": round(time.perf_counter() - t0, 1),
     }
     del llm
-    return save_vocab(out, counts, identity, corpus)
+    return save_vocab(out, counts, identity, corpus, generations)

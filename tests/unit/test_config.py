@@ -81,7 +81,7 @@ def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_p
     cfg.validate_for_model(MODEL)  # the concrete method is validated once resolved
     concrete = cfg.resolved(str(tmp_path))  # no heads cached for this model
     assert concrete.method == "layerskip" and concrete.options["exit_layer"] == 28
-    assert concrete.lookup == cfg.lookup and concrete.goodput
+    assert concrete.lookup == {**cfg.lookup, "datastore": None} and concrete.goodput
     assert concrete.num_speculative_tokens == cfg.num_speculative_tokens == 6
     off = SelfSpecConfig.load({"method": "auto", "lookup": False, "goodput": False})
     assert not off.resolved(str(tmp_path)).lookup
@@ -91,5 +91,10 @@ def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_p
 
 def test_goodput_and_lookup_round_trip():
     cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False, "lookup": {"max_ngram": 3}})
-    assert not cfg.goodput and cfg.lookup == {"max_ngram": 3, "min_ngram": 1, "shared": True}
+    assert not cfg.goodput and cfg.lookup == {
+        "max_ngram": 3,
+        "min_ngram": 1,
+        "shared": True,
+        "datastore": "auto",
+    }
     assert SelfSpecConfig.load(cfg.to_dict()) == cfg

@@ -24,6 +24,22 @@ def brute_next(tokens, context, max_n, min_n):
     return None
 
 
+def brute_longest(sequences, context, max_n, min_n):
+    """The longest n-gram ending ``context`` with a follower in any of ``sequences`` (n-grams do
+    not span two of them): its follower with the highest total count (ties: any of them)."""
+    for n in range(min(max_n, len(context)), min_n - 1, -1):
+        key = list(context[-n:])
+        counts = {}
+        for seq in sequences:
+            for end in range(n, len(seq)):
+                if seq[end - n : end] == key:
+                    counts[seq[end]] = counts.get(seq[end], 0) + 1
+        if counts:
+            top = max(counts.values())
+            return {t for t, c in counts.items() if c == top}, n
+    return None
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_next_matches_brute_force_on_random_sequences(seed):
     rng = random.Random(seed)
@@ -88,11 +104,67 @@ def test_shared_index_continues_where_the_context_has_no_match_and_forgets_the_o
     assert counts == {k: {t: e[0] for t, e in v.items()} for k, v in rebuilt.follow.items()}
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_each_draft_token_comes_from_the_longer_match_of_the_two_indexes(seed):
+    """A walk with a shared index: at each position the longer of the request's match and the
+    shared index's (outputs and pinned datastore) proposes, the request's own on ties."""
+    rng = random.Random(seed)
+    vocab, max_n = rng.choice([3, 5, 8]), rng.randint(2, 4)
+    seq = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    pinned, outputs = [seq(rng.randint(0, 40)) for _ in range(3)], [seq(rng.randint(0, 30))]
+    shared = SharedIndex(max_n, 1, pinned=pinned)
+    for out in outputs:
+        shared.add(out)
+    index = ContextIndex(max_n, 1)
+    index.extend(seq(rng.randint(1, 30)))
+    drafts, slots = index.propose(8, shared)
+    context = list(index.tokens)
+    for token, slot in zip(drafts, slots):
+        own = brute_next(index.tokens, context, max_n, 1)
+        other = brute_longest(pinned + outputs, context, max_n, 1)
+        if own is not None and (other is None or own[1] >= other[1]):
+            assert (token, slot) == own
+        else:
+            assert token in other[0] and slot == max_n + other[1]
+        context.append(token)
+    assert len(drafts) == 8 or (own, other) == (None, None)
+
+
+def test_a_longer_shared_match_outranks_a_short_one_in_the_context():
+    shared = SharedIndex(3, 1, pinned=[[5, 6, 7, 8]])
+    index = ContextIndex(3, 1)
+    index.extend([7, 1, 5, 6, 7])  # the context has "7" -> 1 (match 1); the datastore "5 6 7" -> 8
+    assert index.propose(1, shared) == ([8], [3 + 3])
+    assert index.propose(1) == ([1], [1])
+
+
+def test_pinned_sequences_outlast_eviction_and_forget():
+    pinned = [[1, 2, 3, 4], [2, 3, 5]]
+    shared = SharedIndex(3, 1, capacity=6, pinned=pinned)
+    fresh = {k: {t: e[0] for t, e in v.items()} for k, v in shared.follow.items()}
+    shared.add([9, 8, 7, 6])
+    shared.add([6, 5, 4, 3])  # over capacity: the first output goes, the pinned ones stay
+    assert shared.size == 4 and shared.next([1, 2, 3]) == (4, 3)
+    shared.forget()
+    assert shared.size == 0 and not shared.outputs
+    assert {k: {t: e[0] for t, e in v.items()} for k, v in shared.follow.items()} == fresh
+
+
 def test_options():
     assert check_options(False) == {} and check_options(None) == {}
-    assert check_options(True) == {"max_ngram": 4, "min_ngram": 1, "shared": True}
+    defaults = {"max_ngram": 4, "min_ngram": 1, "shared": True, "datastore": "auto"}
+    assert check_options(True) == defaults
     assert check_options({"max_ngram": 6})["max_ngram"] == 6
-    for bad in ({"max_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}, {"x": 1}, "yes", {"shared": 1}):
+    assert check_options({"datastore": None})["datastore"] is None
+    for bad in (
+        {"max_ngram": 0},
+        {"min_ngram": 3, "max_ngram": 2},
+        {"x": 1},
+        "yes",
+        {"shared": 1},
+        {"datastore": ""},
+        {"datastore": True},
+    ):
         with pytest.raises(ValueError):
             check_options(bad)
 

@@ -153,3 +153,39 @@ def test_auto_size_is_the_methods_own_when_it_has_one(tmp_path, monkeypatch):
     save_vocab(default_vocab_dir(model), torch.ones(10, dtype=torch.int64), IDENT, {})
     cfg = SelfSpecConfig.load({"method": "adadecode", "heads": "some-dir"})
     assert cfg.resolved(model).draft_vocab_size == 4096  # AdaDecodePolicy.auto_draft_vocab_size
+
+
+def test_generations_round_trip_and_are_checked(tmp_path):
+    from vllm_selfspec.vocab import load_generations
+
+    gens = [[1, 2, 3], [], [9, 9]]
+    out = save_vocab(tmp_path / "v", count_tokens(gens, 10), IDENT, {}, gens)
+    assert load_generations(out, expect=IDENT) == gens
+    other = ModelIdentity("LlamaForCausalLM", 4, 64, 10, "ffffffffffffffff")
+    with pytest.raises(HeadsMismatchError, match="fingerprint"):
+        load_generations(out, expect=other)
+    bare = save_vocab(tmp_path / "w", count_tokens(gens, 10), IDENT, {})
+    with pytest.raises(DraftVocabError, match="build-vocab --force"):
+        load_generations(bare, expect=IDENT)
+
+
+def test_lookup_datastore_resolves_to_the_cached_generations(tmp_path, monkeypatch):
+    from vllm_selfspec.vocab import default_vocab_dir
+
+    monkeypatch.setenv("VLLM_SELFSPEC_HOME", str(tmp_path / "home"))
+    model = str(tmp_path / "m")
+    cfg = SelfSpecConfig.load({"method": "layerskip", "exit_layer": 2, "lookup": True})
+    assert cfg.lookup["datastore"] == "auto"
+    assert cfg.resolved(model).lookup["datastore"] is None  # nothing cached: no datastore
+    save_vocab(default_vocab_dir(model), torch.ones(10, dtype=torch.int64), IDENT, {})
+    assert cfg.resolved(model).lookup["datastore"] is None  # a map without generations
+    save_vocab(default_vocab_dir(model), torch.ones(10, dtype=torch.int64), IDENT, {}, [[1, 2]])
+    assert cfg.resolved(model).lookup["datastore"] == str(default_vocab_dir(model))
+    named = {"method": "layerskip", "exit_layer": 2, "lookup": {"datastore": str(tmp_path / "v")}}
+    with pytest.raises(SelfSpecConfigError, match="lookup: datastore: .*not a draft-vocabulary"):
+        SelfSpecConfig.load(named).resolved(model)
+    save_vocab(tmp_path / "v", torch.ones(10, dtype=torch.int64), IDENT, {})
+    with pytest.raises(SelfSpecConfigError, match="holds no corpus generations"):
+        SelfSpecConfig.load(named).resolved(model)
+    save_vocab(tmp_path / "v", torch.ones(10, dtype=torch.int64), IDENT, {}, [[3]])
+    assert SelfSpecConfig.load(named).resolved(model).lookup["datastore"] == str(tmp_path / "v")

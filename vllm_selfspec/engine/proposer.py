@@ -41,7 +41,7 @@ from ..goodput import (
 from ..heads import identity_from_tensors, load_heads
 from ..lookup import ContextIndex, SharedIndex
 from ..policies import DraftDecision, Feedback
-from ..vocab import load_vocab
+from ..vocab import load_generations, load_vocab
 from .adadecode import DeferredEngine
 from .cascade import CascadeDrafter
 from .drafting import DraftContext, Drafter
@@ -141,11 +141,9 @@ class SelfSpecProposer:
         self._indexes: dict[str, ContextIndex] = {}
         self._prompt_lens: dict[str, int] = {}
         #: the outputs of finished requests (identical on every TP rank: same requests, order)
-        self.shared_index = (
-            SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
-            if self.lookup.get("shared")
-            else None
-        )
+        #: and the datastore's sequences (the model's corpus generations), pinned; loaded with the
+        #: model, where the target's identity can be checked
+        self.shared_index: SharedIndex | None = None
         # slots: match lengths 1..max_n in the request's context, max_n + 1..2 max_n shared
         self.lookup_acceptance = AcceptanceTracker(2 * self.lookup.get("max_ngram", 0) + 1)
         self._lookup_rates: dict[str, Any] = {}
@@ -185,6 +183,12 @@ class SelfSpecProposer:
             self._load_heads(target_model, heads_path)
         if self.config.draft_vocab_size is not None:
             self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
+        if self.lookup.get("shared") or self.lookup.get("datastore"):
+            store = self.lookup.get("datastore")
+            pinned = load_generations(store, expect=self._identity()) if store else ()
+            self.shared_index = SharedIndex(
+                self.lookup["max_ngram"], self.lookup["min_ngram"], pinned=pinned
+            )
         self.ctx = DraftContext(self, self.runner, self.executor, self.shadow)
         self.drafter = DRAFTERS[self.policy.drafter](self.ctx)
 
@@ -223,7 +227,7 @@ class SelfSpecProposer:
         self._rates.pop(req_id, None)
         index = self._indexes.pop(req_id, None)
         prompt_len = self._prompt_lens.pop(req_id, None)
-        if index is not None and self.shared_index is not None:
+        if index is not None and self.shared_index is not None and self.lookup.get("shared"):
             self.shared_index.add(index.tokens[prompt_len:])
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
@@ -232,9 +236,10 @@ class SelfSpecProposer:
             self.drafter.forget(req_id)
 
     def forget_outputs(self) -> None:
-        """Empty the shared lookup index (vllm_selfspec.forget_outputs)."""
+        """Forget the finished requests' outputs in the shared lookup index; the datastore stays
+        (vllm_selfspec.forget_outputs)."""
         if self.shared_index is not None:
-            self.shared_index = SharedIndex(self.lookup["max_ngram"], self.lookup["min_ngram"])
+            self.shared_index.forget()
 
     def draft_probs(self, req_ids: list[str], spec_decode_metadata) -> torch.Tensor | None:
         """q of every draft token verified now, in the rejection sampler's order (vLLM's runner
