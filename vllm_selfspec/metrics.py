@@ -71,6 +71,11 @@ COUNTERS = {
         "lookup_accepted_tokens",
         "Context-lookup draft tokens accepted (also in accepted_tokens).",
     ),
+    "lookup_shared_accepted_tokens": (
+        "lookup_shared_accepted_tokens",
+        "Accepted context-lookup draft tokens the shared index proposed: other requests' "
+        "outputs or the datastore (also in lookup_accepted_tokens).",
+    ),
     "draft_probs_missing": (
         "draft_probs_missing",
         "Draft tokens verified whose request left no draft distribution (sampled ones go as "

@@ -14,6 +14,7 @@ import vllm_selfspec
 from selfspec_testing import engine, greedy_one_by_one_and_together
 from vllm_selfspec.config import auto_method
 from vllm_selfspec.goodput import AcceptanceTracker
+from vllm_selfspec.vocab import cached_generations
 
 pytestmark = pytest.mark.engine
 
@@ -87,6 +88,20 @@ def test_auto_keeps_parity_and_drafts_from_the_context(model_path, vanilla, monk
         assert src["lookup"] > 0, src
     assert src["lookup"] + src["self_draft"] + src["target"] == stats["generated_tokens"]
     assert stats["costs"]["target_forward_s"] is not None
+
+
+def test_lookup_drafts_from_the_models_own_generations(model_path, vanilla):
+    """The datastore (the embedded model's corpus generations, which ``make model`` keeps with
+    its draft-vocabulary map) drafts where a request's own context has only a shorter match;
+    with other requests' outputs off, every shared-index token accepted came from it."""
+    assert cached_generations(model_path) is not None, "run `make model` (build-vocab)"
+    spec = {"method": "auto", "lookup": {"shared": False}}
+    with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
+        out = _run(llm)
+        stats = vllm_selfspec.get_stats(llm)
+    _check_parity(vanilla, out, "auto with the datastore alone")
+    assert stats["lookup_shared_accepted_tokens"] > 0, stats["token_sources"]
+    assert stats["lookup_shared_accepted_tokens"] <= stats["lookup_accepted_tokens"]
 
 
 def test_controller_cuts_self_drafts_and_keeps_parity(model_path, vanilla):

@@ -357,6 +357,8 @@ class SelfSpecProposer:
                     )
                     st.lookup_drafted += n_drafted
                     st.lookup_accepted += n_accepted
+                    max_n = self.lookup["max_ngram"]
+                    st.lookup_shared_accepted += sum(m > max_n for m in matches[:n_accepted])
                 else:
                     self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
                 emitted += len(sampled)

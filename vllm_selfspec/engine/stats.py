@@ -66,6 +66,9 @@ class EngineStats:
     # context-lookup drafts (lookup.py) verified, and of those accepted (also in the totals)
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    # of the accepted lookup drafts, those the shared index proposed (other requests' outputs,
+    # the datastore): a longer match there than in the request's own context
+    lookup_shared_accepted: int = 0
     # draft tokens verified whose request left no draft distribution q (a sampled one's go as
     # point masses: exact, lower acceptance; expected 0), and vLLM's -1 placeholder drafts
     # verified (requests the scheduler padded at admission; never drafted, not counted as drafts)
@@ -122,6 +125,7 @@ class EngineStats:
             "greedy_verifications": self.greedy_verifications,
             "sampled_verifications": self.sampled_verifications,
             "lookup_accepted_tokens": self.lookup_accepted,
+            "lookup_shared_accepted_tokens": self.lookup_shared_accepted,
             # where the emitted tokens came from: accepted lookup drafts, accepted self-drafts,
             # the target (one per request and verification)
             "token_sources": {
