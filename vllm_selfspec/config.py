@@ -166,14 +166,23 @@ def auto_method(model_path: str) -> tuple[str, dict[str, Any]]:
 
 def auto_note(model_path: str) -> str:
     """One line on what ``auto`` self-drafts with on this model and, without trained heads,
-    how to get them (the demo and the bench print it: they never run without heads silently)."""
+    how to get them, and whether its lookup has a datastore (the demo and the bench print it:
+    they never run without heads or datastore silently)."""
     method, options = auto_method(model_path)
     kind = POLICIES[method].head_kind
     if kind is not None:
-        return f"auto self-drafts with {method} (trained heads {cached_heads(model_path, kind)})"
+        note = f"auto self-drafts with {method} (trained heads {cached_heads(model_path, kind)})"
+    else:
+        note = (
+            f"auto self-drafts with layerskip at exit {options['exit_layer']}: no trained heads "
+            f"are cached for this model; for the embedded model `make heads` trains them once"
+        )
+    store = cached_generations(model_path)
+    if store is not None:
+        return f"{note}; its lookup drafts from the model's corpus generations in {store}"
     return (
-        f"auto self-drafts with layerskip at exit {options['exit_layer']}: no trained heads are "
-        f"cached for this model; for the embedded model `make heads` trains them once"
+        f"{note}; its lookup has no datastore: `vllm-selfspec build-vocab --model {model_path}` "
+        f"keeps the model's corpus generations (a few minutes, once)"
     )
 
 
