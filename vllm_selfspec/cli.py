@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         "--general",
         type=int,
         default=None,
-        help="requests of the heads' general corpus added to the sources (default 192)",
+        help="requests of the heads' general corpus generated for lookup's datastore, not "
+        "counted in the map (default 192)",
     )
     p.add_argument("--force", action="store_true", help="build again even if cached")
     p.set_defaults(func=_build_vocab)

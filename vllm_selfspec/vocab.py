@@ -9,8 +9,7 @@ still be emitted, only not drafted.
 
 The map counts the tokens of the model's own greedy generations on an offline prompt corpus, and
 of the corpus prompts themselves (by default Python's documentation, ``pydoc_data``, as raw text to
-continue and as chat requests, everyday requests on ``TOPICS`` and a sample of the heads' general
-requests and code, ``heads.corpus`` — no benchmark prompt), once
+continue and as chat requests, and everyday requests on ``TOPICS`` — no benchmark prompt), once
 per model (``vllm-selfspec
 build-vocab``), and is cached beside the trained heads. Tokens never seen rank by id: BPE
 vocabularies give lower ids to earlier (more frequent) merges. On disk, in the heads' format family (docs/heads.md)::
@@ -22,8 +21,10 @@ vocabularies give lower ids to earlier (more frequent) merges. On disk, in the h
                             "tokens":  the greedy generations, one after another (int32)
                             "lengths": each generation's length
 
-The generations themselves are kept too: context lookup (``lookup.py``, option ``datastore``)
-drafts from them, the model's own phrasing, where a request's context has no longer match.
+The generations themselves are kept too, with those of a sample of the heads' general requests
+and code (``heads.corpus``; also no benchmark prompt) generated in the same run for this alone:
+context lookup (``lookup.py``, option ``datastore``) drafts from them, the model's own phrasing,
+where a request's context has no longer match.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ VERSION = 1
 WEIGHTS_FILE = "vocab.safetensors"
 GENERATIONS_FILE = "generations.safetensors"
 DEFAULT_SOURCES = "pydoc,topics"
-#: requests of the heads' default corpus (``heads.corpus``, general chat and code) added to the
-#: sources: the lookup datastore drafts from the generations, and more of them draft more
+#: requests of the heads' default corpus (``heads.corpus``, general chat and code) generated
+#: for the lookup datastore alone (the map does not count them): more generations draft more
 #: (docs/benchmarks.md, "A datastore of the model's own generations")
 GENERAL_PROMPTS = 192
 #: the "topics" source: everyday requests on these subjects (none is a benchmark prompt)
@@ -283,9 +284,11 @@ def build_vocab(
     general: int = GENERAL_PROMPTS,
     batch_size: int = 32,
 ) -> Path:
-    """Count the model's own greedy generations (vanilla vLLM) on ``sources`` and on ``general``
-    requests of the heads' default corpus (a seeded sample) and save the map with the
-    generations. Call from a ``__main__``-guarded program (vLLM starts worker processes)."""
+    """Count the model's own greedy generations (vanilla vLLM) on ``sources`` into the map, and
+    save it with every generation: those and the generations of ``general`` requests of the
+    heads' default corpus (a seeded sample; the lookup datastore's, not counted in the map, so
+    the map is what it was before the datastore). Call from a ``__main__``-guarded program
+    (vLLM starts worker processes)."""
     # build-vocab only: vLLM (and the corpus tools) load when a map is built, not when a config
     # that names one is checked
     from transformers import AutoTokenizer
@@ -302,6 +305,7 @@ def build_vocab(
     if rest:
         prompts += [p.text for p in load_corpus(rest, tokenizer, model_path)]
     prompts = prompts[:max_prompts]
+    counted = len(prompts)  # the map counts these; the general requests only feed the datastore
     if general > 0:
         pool = [p.text for p in load_corpus("general", tokenizer, model_path)]
         prompts += random.Random(0).sample(pool, min(general, len(pool)))
@@ -319,13 +323,16 @@ def build_vocab(
         prompts, SamplingParams(temperature=0, max_tokens=max_new_tokens), use_tqdm=False
     )
     generations = [list(o.outputs[0].token_ids) for o in outputs]
-    generated = count_tokens(generations, identity.vocab_size)
-    prompt = count_tokens([list(o.prompt_token_ids) for o in outputs], identity.vocab_size)
+    generated = count_tokens(generations[:counted], identity.vocab_size)
+    prompt = count_tokens(
+        [list(o.prompt_token_ids) for o in outputs[:counted]], identity.vocab_size
+    )
     counts = generated + prompt
     corpus = {
         "sources": sources,
-        "general": general,
-        "prompts": len(prompts),
+        "prompts": counted,
+        "datastore_general_prompts": len(prompts) - counted,
+        "datastore_tokens": sum(len(g) for g in generations),
         "max_new_tokens": max_new_tokens,
         "generated_tokens": int(generated.sum()),
         "prompt_tokens": int(prompt.sum()),

@@ -199,7 +199,9 @@ def test_feature_sampling_at_temperature_0_6(tiny_model, tmp_path):
 #: self-drafts), in the same batches: steps mix lookup point masses with self-drafts' q. A
 #: random-weight model does not continue its context, so measured costs and acceptance would
 #: rightly pick the self-drafts; the tests take a lookup draft wherever there is one.
-LOOKUP_SPEC = {**SPEC, "lookup": {"min_ngram": 1, "max_ngram": 2}}
+# the request's own context only: other requests' outputs (the same prompt, sampled again and
+# again) would match nearly every step, and no self-draft would be left to mix with
+LOOKUP_SPEC = {**SPEC, "lookup": {"min_ngram": 1, "max_ngram": 2, "shared": False}}
 HOT = 1.5
 EVERY_TOKEN = {"prompt_token_ids": [1] + [(7 * i) % VOCAB for i in range(VOCAB)]}
 
