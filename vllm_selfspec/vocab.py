@@ -130,8 +130,8 @@ def save_vocab(
     corpus: dict[str, Any],
     generations: list[list[int]] | None = None,
 ) -> Path:
-    """Write the map (and the generations it counted, if given) atomically: a temp dir renamed
-    over ``out``."""
+    """Write the map (and the corpus generations, if given: lookup's datastore) atomically: a
+    temp dir renamed over ``out``."""
 
     out = Path(out)
     if counts.numel() != identity.vocab_size:
