@@ -1,11 +1,12 @@
 """Benchmark the Triton kernels of ``vllm_selfspec.kernels`` against their PyTorch references.
 
-    python benchmarks/kernels.py [--repeats 7]
+    python benchmarks/kernels.py [--repeats 7] [--dtype bfloat16|float16]
 
 With CUDA: times the Triton shadow-token LM-head kernel and the reference on GPU-shaped inputs
-(bfloat16; SmolLM2-135M and Llama-3-8B LM heads, N = layers x (gamma + 1) shadow rows) and reports the
-peak extra GPU memory of each; then the paged-attention decode kernels (cache write + attention for A
-active tokens of one layer) against their reference, on SmolLM2-135M and Llama-3-8B attention shapes.
+(``--dtype``, bfloat16 by default; SmolLM2-135M and Llama-3-8B LM heads, N = layers x (gamma + 1)
+shadow rows) and reports the peak extra GPU memory of each; then the paged-attention decode kernels
+(cache write + attention for A active tokens of one layer) against their reference, on SmolLM2-135M
+and Llama-3-8B attention shapes.
 Each GPU time is ``triton.testing.do_bench``'s median (CUDA events, L2 flushed before each call),
 set beside the shape's floor: its fewest bytes over the copy bandwidth and its FLOPs over the bf16
 matrix rate, both measured first on the same GPU. Without CUDA the Triton side is skipped (the
@@ -99,6 +100,10 @@ def _floor_ms(bytes_moved: float, flops: float, ceilings: tuple[float, float]) -
     return max(bytes_moved / bandwidth, flops / rate) * 1e3
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _fmt_ms(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms:.3f}"
 
@@ -112,8 +117,8 @@ def _peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / MIB
 
 
-def bench_gpu(ceilings: tuple[float, float]) -> None:
-    print(f"device: {torch.cuda.get_device_name()}  (bfloat16, norm_weight, token_ids)")
+def bench_gpu(ceilings: tuple[float, float], dtype: torch.dtype) -> None:
+    print(f"device: {torch.cuda.get_device_name()}  ({_dtype_name(dtype)}, norm_weight, token_ids)")
     print(
         "floor: max(bytes of weight + rows + outputs / copy bandwidth, 2 N V d / bf16 matmul rate)"
     )
@@ -126,7 +131,7 @@ def bench_gpu(ceilings: tuple[float, float]) -> None:
         f"{'x floor':>8} {'peak MiB':>9}"
     )
     for name, n, v, d in SMOLLM2 + LLAMA3_8B:
-        hidden, weight, kwargs = make_inputs(n, v, d, torch.bfloat16, "cuda")
+        hidden, weight, kwargs = make_inputs(n, v, d, dtype, "cuda")
         ref = lm_head_argmax_reference(hidden, weight, **kwargs)
         got = lm_head_argmax_triton(hidden, weight, **kwargs)
         agree = (got[0] == ref[0]).float().mean().item()
@@ -207,9 +212,9 @@ def make_paged_inputs(num_tokens: int, context: int, heads: tuple, dtype: torch.
     return (query, key, value, kv_cache), dict(kwargs, scale=head_size**-0.5)
 
 
-def bench_paged_gpu(ceilings: tuple[float, float]) -> None:
+def bench_paged_gpu(ceilings: tuple[float, float], dtype: torch.dtype) -> None:
     print(
-        f"device: {torch.cuda.get_device_name()}  (bfloat16, cache write + attention, "
+        f"device: {torch.cuda.get_device_name()}  ({_dtype_name(dtype)}, cache write + attention, "
         f"block size {BLOCK_SIZE}; A tokens, each its own request)"
     )
     print("floor: bytes of the A contexts' K and V (read once) + q, k, v, out / copy bandwidth")
@@ -224,7 +229,7 @@ def bench_paged_gpu(ceilings: tuple[float, float]) -> None:
     for heads in (ATTN_SMOLLM2, ATTN_LLAMA3_8B):
         _, num_q_heads, num_kv_heads, head_size = heads
         for num_tokens, context in ((1, 2048), (8, 2048), (64, 2048), (8, 16384)):
-            args, kwargs = make_paged_inputs(num_tokens, context, heads, torch.bfloat16, "cuda")
+            args, kwargs = make_paged_inputs(num_tokens, context, heads, dtype, "cuda")
             ref = paged_attention_reference(*args, **kwargs)
             got = paged_attention_triton(*args, **kwargs)
             err = (got.float() - ref.float()).abs().max().item()
@@ -278,7 +283,14 @@ def bench_paged_cpu(repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="CPU references: runs to time")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16"),
+        default="bfloat16",
+        help="GPU: the inputs' dtype (the floors' matrix rate stays bf16's: the same on Hopper)",
+    )
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     gpu = torch.cuda.is_available() and HAS_TRITON
     if gpu:
         ceilings = gpu_ceilings()
@@ -288,14 +300,14 @@ def main() -> None:
         )
     print("== lm_head_argmax (batched shadow-token LM-head projection)")
     if gpu:
-        bench_gpu(ceilings)
+        bench_gpu(ceilings, dtype)
     else:
         bench_cpu(args.repeats)
     print(
         "\n== paged_attention (decode attention for a subset of the batch over the paged KV cache)"
     )
     if gpu:
-        bench_paged_gpu(ceilings)
+        bench_paged_gpu(ceilings, dtype)
     else:
         bench_paged_cpu(args.repeats)
 
