@@ -18,7 +18,9 @@ marginal verified token's cost is the difference between token counts *within* o
 Then, per number of requests in a step (decode-only steps apart from those with a prompt
 chunk), the steps, their seconds and the tokens they emitted: a drafter's steps with the batch
 full against vanilla's, and its closed batch's tail (steps with fewer requests) apart. The
-warm-up is one short prompt, so a speculative engine's first steps of each shape are counted.
+warm-up is one short prompt, so a speculative engine's first steps of each shape are counted;
+with ``--warm-up`` the whole workload runs once first, as in the bench (its prompts then computed
+again: the prefix cache is reset).
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="run the whole workload once first, as the bench does (a selfspec engine's cost "
+        "model and acceptance warm; the outputs it saw are forgotten before the timed run)",
+    )
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -95,6 +103,16 @@ def main() -> None:
     prompts = load_prompts(args.prompts, args.num_prompts, model)
     llm = LLM(model=model, max_num_seqs=args.batch_size, speculative_config=cfg, **ENGINE_ARGS)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    if args.warm_up:
+        from vllm_selfspec import forget_outputs
+        from vllm_selfspec.config import methods
+
+        llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False
+        )
+        if cfg is not None and cfg.get("method") in methods():
+            forget_outputs(llm)
+        llm.reset_prefix_cache()
     llm.collective_rpc(_hook)
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)
