@@ -14,13 +14,17 @@ Set i is one ``vllm-selfspec bench`` run (the arguments after ``--``) in OUT/set
 there (delete it to redo). Writes OUT/summary.md: per method, each set's speedup (the bench's
 median over its repeats), the median of every set's per-repeat ratios with their range, the
 same over full-batch decode, the lowest parity, and each set's target step in ms (selfspec
-methods: ``verify`` seconds a step). ``--summary-only`` pools what OUT holds.
+methods: ``verify`` seconds a step). With an A/A engine (a second vanilla, e.g. ``vanilla2``
+above: a method with no config), also each method against every vanilla engine of its repeat
+(the geometric mean of their tokens/s): the reference engine's own draw, which the A/A engine
+shows, then weighs half as much (with one A/A engine). ``--summary-only`` pools what OUT holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -43,10 +47,31 @@ def pool(results: list[dict]) -> dict[str, dict]:
     for i, r in enumerate(results[1:], 2):
         if list(r["methods"]) != names:
             raise ValueError(f"set {i} ran {list(r['methods'])}, set 1 ran {names}")
+    # the A/A engines: vanilla again, under another name (their config is none, as vanilla's)
+    first = results[0]["methods"]
+    twins = [
+        n
+        for n in names
+        if "vanilla" in names
+        and n != "vanilla"
+        and "config" in first[n]
+        and first[n]["config"] is None
+    ]
+    # per set and repeat, every vanilla engine's tokens/s over the reference's, multiplied:
+    # their geometric mean is a baseline that carries less of one engine's draw
+    base = [
+        [
+            math.prod(r["methods"][t]["speedup_runs"][j] for t in twins) ** (1 / (len(twins) + 1))
+            for j in range(len(r["methods"]["vanilla"]["speedup_runs"]))
+        ]
+        for r in results
+        if twins
+    ]
     pooled = {}
     for name in names:
         ms = [r["methods"][name] for r in results]
         runs = [x for m in ms for x in m["speedup_runs"]]
+        vs_all = [x / b for m, bs in zip(ms, base) for x, b in zip(m["speedup_runs"], bs)]
         full = [x for m in ms for x in m.get("full_batch_speedup_runs") or []]
         steps = []
         for m in ms:
@@ -58,6 +83,10 @@ def pool(results: list[dict]) -> dict[str, dict]:
             "speedup": statistics.median(runs),
             "range": (min(runs), max(runs)),
             "full_batch_speedup": statistics.median(full) if full else None,
+            # over the geometric mean of every vanilla engine in the same repeat (None without
+            # an A/A engine)
+            "vs_vanillas": statistics.median(vs_all) if twins else None,
+            "vs_vanillas_range": (min(vs_all), max(vs_all)) if twins else None,
             "parity": min(m["parity"] for m in ms),
             "step_ms": steps,
         }
@@ -65,18 +94,25 @@ def pool(results: list[dict]) -> dict[str, dict]:
 
 
 def markdown(pooled: dict[str, dict], commands: list[str]) -> str:
+    twins = any(p["vs_vanillas"] is not None for p in pooled.values())
     lines = [
-        "| method | speedup per set | all sets' repeats: median [range] | full-batch decode | "
-        "parity | target step per set (ms) |",
-        "|---|---|---|---|---|---|",
+        "| method | speedup per set | all sets' repeats: median [range] | "
+        + ("against every vanilla engine: median [range] | " if twins else "")
+        + "full-batch decode | parity | target step per set (ms) |",
+        "|---|---|---|" + ("---|" if twins else "") + "---|---|---|",
     ]
     for name, p in pooled.items():
         lo, hi = p["range"]
         full = p["full_batch_speedup"]
+        vs = ""
+        if twins:
+            vlo, vhi = p["vs_vanillas_range"]
+            vs = f"{p['vs_vanillas']:.3f}x [{vlo:.3f}, {vhi:.3f}] | "
         lines.append(
             f"| {name} | "
             + " / ".join(f"{x:.3f}" for x in p["per_set"])
             + f" | {p['speedup']:.3f}x [{lo:.3f}, {hi:.3f}] | "
+            + vs
             + (f"{full:.3f}x" if full is not None else "–")
             + f" | {p['parity']:.2f} | "
             + (" / ".join(f"{x:.1f}" for x in p["step_ms"]) or "–")

@@ -67,3 +67,28 @@ def test_sets_that_ran_different_methods_are_refused():
     mod = _module()
     with pytest.raises(ValueError, match="set 2 ran"):
         mod.pool([_set({"a": [1.0]}), _set({"b": [1.0]})])
+
+
+def test_against_every_vanilla_engine_divides_by_their_geometric_mean_per_repeat():
+    mod = _module()
+
+    def with_configs(speedups):
+        result = _set(speedups)
+        for name, m in result["methods"].items():
+            m["config"] = None if name.startswith("vanilla") else {"method": name}
+        return result
+
+    # repeat 1 drew a slow A/A engine (0.81 of the reference): the baseline is sqrt(0.81) = 0.9
+    sets = [with_configs({"vanilla": [1.0, 1.0], "vanilla2": [0.81, 1.0], "m": [0.9, 1.1]})]
+    p = mod.pool(sets)
+    assert p["m"]["speedup"] == pytest.approx(1.0)  # against the reference alone
+    assert p["m"]["vs_vanillas"] == pytest.approx(1.05)  # 0.9 / 0.9 and 1.1 / 1.0
+    assert p["m"]["vs_vanillas_range"] == pytest.approx((1.0, 1.1))
+    assert p["vanilla2"]["vs_vanillas"] == pytest.approx(0.95)  # 0.81 / 0.9 and 1.0
+    table = mod.markdown(p, ["cmd"])
+    assert "against every vanilla engine" in table
+    assert "| 1.050x [1.000, 1.100] |" in table
+    # without an A/A engine there is nothing to average: no column
+    alone = mod.pool([with_configs({"vanilla": [1.0, 1.0], "m": [0.9, 1.1]})])
+    assert alone["m"]["vs_vanillas"] is None
+    assert "against every vanilla engine" not in mod.markdown(alone, ["cmd"])
