@@ -74,11 +74,16 @@ def check_options(options) -> dict:
 
 
 class NGramTable:
-    """n-gram (``min_n``..``max_n`` tokens) -> {token that followed it: [count, last position]}."""
+    """n-gram (``min_n``..``max_n`` tokens) -> {token that followed it: (count, last position)}.
+
+    Every key and entry is an immutable tuple of ints (an update replaces the entry), so that
+    Python's garbage collector stops tracking them after their first collection: a datastore of
+    ~50k tokens is ~155k lists otherwise, each of which every full collection of the worker
+    walks (docs/benchmarks.md, "The worker's garbage collector")."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
-        self.follow: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        self.follow: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
         #: n-gram -> its follower that ``next`` proposes, kept until the n-gram's counts change
         #: (a frequent token has many followers: the max over them took about half a walk's time
         #: in a synthetic test of Zipf-distributed tokens)
@@ -93,15 +98,15 @@ class NGramTable:
             seen = self.follow.setdefault(key, {})
             entry = seen.get(t)
             if entry is None:
-                seen[t] = [delta, end]
+                seen[t] = (delta, end)
+                continue
+            count = entry[0] + delta
+            if count > 0:
+                seen[t] = (count, max(entry[1], end) if delta > 0 else entry[1])
             else:
-                entry[0] += delta
-                if delta > 0:
-                    entry[1] = max(entry[1], end)
-                if entry[0] <= 0:
-                    del seen[t]
-                    if not seen:
-                        del self.follow[key]
+                del seen[t]
+                if not seen:
+                    del self.follow[key]
 
     def next(self, context: Sequence[int]) -> tuple[int, int] | None:
         """(token, match length) from the longest n-gram ending the context that was seen."""

@@ -9,6 +9,8 @@ Hooks live on the runner, not on the worker, because Ray's compiled DAG calls th
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
 
 from .. import compat
@@ -18,6 +20,20 @@ from .stats import builtin
 
 _BaseWorker = compat.base_worker_class()
 _ModelRunnerOutput = compat.model_runner_output_class()
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> int:
+    """Take what the worker holds once it has started (vLLM's modules, the model, the lookup
+    datastore) out of the garbage collector's full collections, as vLLM's engine core does in its
+    own process (``vllm.utils.gc_utils.freeze_gc_heap``; the worker process gets none). Those
+    collections come when enough long-lived objects pile up, which a drafter's bookkeeping does
+    and a vanilla worker's does not: without this, one of them stalled an engine step of `auto`
+    for 440 ms at batch 8 (docs/benchmarks.md, "The worker's garbage collector"). Returns the
+    number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 class SelfSpecRunnerMixin:
@@ -206,6 +222,14 @@ class SelfSpecWorker(_BaseWorker):
             if drafter.aux_layers:  # must be set before load_model()
                 runner.use_aux_hidden_state_outputs = True
 
+    def compile_or_warm_up_model(self, *args, **kwargs):  # the worker's last start-up step
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        if isinstance(getattr(self.model_runner, "drafter", None), SelfSpecProposer):
+            logger.info(
+                "vllm-selfspec froze the worker's start-up heap: %d objects", freeze_startup_heap()
+            )
+        return out
+
     def selfspec_forget_outputs(self) -> None:  # see vllm_selfspec.forget_outputs
         drafter = getattr(self.model_runner, "drafter", None)
         if isinstance(drafter, SelfSpecProposer):
@@ -217,6 +241,7 @@ class SelfSpecWorker(_BaseWorker):
         if not isinstance(drafter, SelfSpecProposer):
             return {}
         out = builtin(drafter.stats_dict())
+        out["gc_frozen_objects"] = gc.get_freeze_count()  # freeze_startup_heap
         if reset:
             drafter.stats.reset()
         return out
