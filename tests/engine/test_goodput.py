@@ -102,8 +102,6 @@ def test_lookup_drafts_from_the_models_own_generations(model_path, vanilla):
     _check_parity(vanilla, out, "auto with the datastore alone")
     assert stats["lookup_shared_accepted_tokens"] > 0, stats["token_sources"]
     assert stats["lookup_shared_accepted_tokens"] <= stats["lookup_accepted_tokens"]
-    # the worker's start-up heap, the datastore in it, is out of full collections' reach
-    assert stats["gc_frozen_objects"] > 100_000, stats["gc_frozen_objects"]
 
 
 def test_controller_cuts_self_drafts_and_keeps_parity(model_path, vanilla):
