@@ -78,8 +78,9 @@ class NGramTable:
 
     Every key and entry is an immutable tuple of ints (an update replaces the entry), so that
     Python's garbage collector stops tracking them after their first collection: a datastore of
-    ~50k tokens is ~155k lists otherwise, each of which every full collection of the worker
-    walks (docs/benchmarks.md, "The worker's garbage collector")."""
+    ~50k tokens was ~155k tracked lists and dicts, each of which every full collection of the
+    worker walked (docs/benchmarks.md, "`auto` at batch 8 in fresh engine sets, and a 440 ms
+    garbage collection")."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
