@@ -49,14 +49,9 @@ def pool(results: list[dict]) -> dict[str, dict]:
             raise ValueError(f"set {i} ran {list(r['methods'])}, set 1 ran {names}")
     # the A/A engines: vanilla again, under another name (their config is none, as vanilla's)
     first = results[0]["methods"]
-    twins = [
-        n
-        for n in names
-        if "vanilla" in names
-        and n != "vanilla"
-        and "config" in first[n]
-        and first[n]["config"] is None
-    ]
+    twins = []
+    if "vanilla" in names:
+        twins = [n for n in names if n != "vanilla" and first[n].get("config", {}) is None]
     # per set and repeat, every vanilla engine's tokens/s over the reference's, multiplied:
     # their geometric mean is a baseline that carries less of one engine's draw
     base = [
