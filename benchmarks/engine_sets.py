@@ -17,7 +17,9 @@ same over full-batch decode, the lowest parity, and each set's target step in ms
 methods: ``verify`` seconds a step). With an A/A engine (a second vanilla, e.g. ``vanilla2``
 above: a method with no config), also each method against every vanilla engine of its repeat
 (the geometric mean of their tokens/s): the reference engine's own draw, which the A/A engine
-shows, then weighs half as much (with one A/A engine). ``--summary-only`` pools what OUT holds.
+shows, then weighs half as much (with one A/A engine): their median and range, and their
+geometric mean with the standard error of its log (``log_standard_error``), so that two runs'
+figures come with how far each can be trusted. ``--summary-only`` pools what OUT holds.
 """
 
 from __future__ import annotations
@@ -82,17 +84,42 @@ def pool(results: list[dict]) -> dict[str, dict]:
             # an A/A engine)
             "vs_vanillas": statistics.median(vs_all) if twins else None,
             "vs_vanillas_range": (min(vs_all), max(vs_all)) if twins else None,
+            # the same as a geometric mean with the standard error of its log (None without
+            # an A/A engine; the error None for one repeat): how far the pooled figure can be
+            # trusted, repeats taken as independent draws
+            "vs_vanillas_mean": geometric_mean(vs_all) if twins else None,
+            "vs_vanillas_error": log_standard_error(vs_all) if twins else None,
             "parity": min(m["parity"] for m in ms),
             "step_ms": steps,
         }
     return pooled
 
 
+def geometric_mean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def log_standard_error(xs: list[float]) -> float | None:
+    """The standard error of the mean of ``log(xs)``: a geometric mean ``g`` of ratios is
+    ``g`` times/divided by ``exp`` of it (about ``g`` +- that share). None for one value.
+
+    >>> round(log_standard_error([0.9, 1.0, 1.1, 1.0]), 4)
+    0.041
+    """
+    if len(xs) < 2:
+        return None
+    return statistics.stdev(math.log(x) for x in xs) / math.sqrt(len(xs))
+
+
 def markdown(pooled: dict[str, dict], commands: list[str]) -> str:
     twins = any(p["vs_vanillas"] is not None for p in pooled.values())
     lines = [
         "| method | speedup per set | all sets' repeats: median [range] | "
-        + ("against every vanilla engine: median [range] | " if twins else "")
+        + (
+            "against every vanilla engine: median [range]; geometric mean +- standard error | "
+            if twins
+            else ""
+        )
         + "full-batch decode | parity | target step per set (ms) |",
         "|---|---|---|" + ("---|" if twins else "") + "---|---|---|",
     ]
@@ -102,7 +129,12 @@ def markdown(pooled: dict[str, dict], commands: list[str]) -> str:
         vs = ""
         if twins:
             vlo, vhi = p["vs_vanillas_range"]
-            vs = f"{p['vs_vanillas']:.3f}x [{vlo:.3f}, {vhi:.3f}] | "
+            err = p["vs_vanillas_error"]
+            vs = (
+                f"{p['vs_vanillas']:.3f}x [{vlo:.3f}, {vhi:.3f}]; {p['vs_vanillas_mean']:.3f}x"
+                + (f" +- {err:.3f}" if err is not None else "")
+                + " | "
+            )
         lines.append(
             f"| {name} | "
             + " / ".join(f"{x:.3f}" for x in p["per_set"])

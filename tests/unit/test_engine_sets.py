@@ -87,7 +87,14 @@ def test_against_every_vanilla_engine_divides_by_their_geometric_mean_per_repeat
     assert p["vanilla2"]["vs_vanillas"] == pytest.approx(0.95)  # 0.81 / 0.9 and 1.0
     table = mod.markdown(p, ["cmd"])
     assert "against every vanilla engine" in table
-    assert "| 1.050x [1.000, 1.100] |" in table
+    assert "| 1.050x [1.000, 1.100]; 1.049x +- 0.048 |" in table
+    # the geometric mean of 1.0 and 1.1, and the standard error of log 1.0, log 1.1
+    assert p["m"]["vs_vanillas_mean"] == pytest.approx(1.1**0.5)
+    assert p["m"]["vs_vanillas_error"] == pytest.approx(0.0953102 / 2**0.5 / 2**0.5, rel=1e-5)
+    # one repeat: a mean, no error
+    one = mod.pool([with_configs({"vanilla": [1.0], "vanilla2": [1.0], "m": [1.2]})])
+    assert one["m"]["vs_vanillas_error"] is None
+    assert "| 1.200x [1.200, 1.200]; 1.200x |" in mod.markdown(one, ["cmd"])
     # without an A/A engine there is nothing to average: no column
     alone = mod.pool([with_configs({"vanilla": [1.0, 1.0], "m": [0.9, 1.1]})])
     assert alone["m"]["vs_vanillas"] is None
