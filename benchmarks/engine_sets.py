@@ -87,16 +87,12 @@ def pool(results: list[dict]) -> dict[str, dict]:
             # the same as a geometric mean with the standard error of its log (None without
             # an A/A engine; the error None for one repeat): how far the pooled figure can be
             # trusted, repeats taken as independent draws
-            "vs_vanillas_mean": geometric_mean(vs_all) if twins else None,
+            "vs_vanillas_mean": statistics.geometric_mean(vs_all) if twins else None,
             "vs_vanillas_error": log_standard_error(vs_all) if twins else None,
             "parity": min(m["parity"] for m in ms),
             "step_ms": steps,
         }
     return pooled
-
-
-def geometric_mean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
 def log_standard_error(xs: list[float]) -> float | None:
