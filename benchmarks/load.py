@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_selfspec.loadtest import ENGINE_KW, cli_args, greedy_references, run_load
+from vllm_selfspec.loadtest import cli_args, engine_kw, greedy_references, run_load
 from vllm_selfspec.serving import Server, parse_metrics
 
 
@@ -40,7 +40,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log", default="load-server.log", help="server log file")
     p.add_argument("--out", default="load-results.json")
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
     args = p.parse_args()
+    kw = engine_kw(args.eager)
     from vllm import LLM
 
     from vllm_selfspec.models import prepare_embedded_model
@@ -48,7 +50,7 @@ def main() -> int:
     model = args.model or str(prepare_embedded_model(progress=False))
     config = None if args.config == "none" else str(Path(args.config).resolve())
     t0 = time.monotonic()
-    llm = LLM(model=model, **ENGINE_KW)
+    llm = LLM(model=model, **kw)
     refs = greedy_references(llm)
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -56,7 +58,7 @@ def main() -> int:
     print(f"vanilla references: {len(refs)} prompts in {time.monotonic() - t0:.0f}s")
 
     server_args = [
-        *cli_args(ENGINE_KW),
+        *cli_args(kw),
         "--served-model-name",
         "model",
         *(["--speculative-config", config] if config else []),
@@ -89,6 +91,7 @@ def main() -> int:
         "config": json.loads(Path(config).read_text()) if config else None,
         "concurrency": args.concurrency,
         "abort_prob": args.abort_prob,
+        "eager": args.eager,
         **res.summary(),
         "live_requests_after": live,
         "errors_sample": res.errors[:10],

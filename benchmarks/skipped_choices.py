@@ -44,12 +44,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
 
     from vllm_selfspec import forget_outputs
-    from vllm_selfspec.bench import ENGINE_ARGS
+    from vllm_selfspec.bench import engine_args
     from vllm_selfspec.models import resolve_model
     from vllm_selfspec.prompts import load_prompts
 
@@ -58,7 +59,12 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     auto = {"method": "auto"}
     engines = {
-        name: LLM(model=model, max_num_seqs=args.batch_size, speculative_config=cfg, **ENGINE_ARGS)
+        name: LLM(
+            model=model,
+            max_num_seqs=args.batch_size,
+            speculative_config=cfg,
+            **engine_args(args.eager),
+        )
         for name, cfg in (("vanilla", None), ("auto", auto), ("every", auto))
     }
     engines["every"].collective_rpc(_every)

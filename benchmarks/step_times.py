@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
     p.add_argument(
         "--warm-up",
         action="store_true",
@@ -94,14 +95,23 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_selfspec.bench import ENGINE_ARGS
+    from vllm_selfspec.bench import engine_args
     from vllm_selfspec.models import resolve_model
     from vllm_selfspec.prompts import load_prompts
 
     model = resolve_model(args.model)
     cfg = None if args.config == "none" else json.loads(args.config)
     prompts = load_prompts(args.prompts, args.num_prompts, model)
-    llm = LLM(model=model, max_num_seqs=args.batch_size, speculative_config=cfg, **ENGINE_ARGS)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model,
+        max_num_seqs=args.batch_size,
+        speculative_config=cfg,
+        **engine_args(args.eager),
+    )
+    print(
+        f"engine ({'eager' if args.eager else 'compiled'}) started in {time.perf_counter() - t0:.0f} s"
+    )
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     if args.warm_up:
         from vllm_selfspec import forget_outputs

@@ -9,12 +9,14 @@ import os
 from pathlib import Path
 
 from vllm_selfspec import compat
-from vllm_selfspec.bench import ENGINE_ARGS
+from vllm_selfspec.bench import engine_args
 
 #: the engine settings every parity comparison shares (vanilla and self-spec alike): the bench's,
 #: with a 1 GiB KV cache (sized in bytes, so test engines start on any machine the README's
-#: requirements cover; ~22k tokens of the embedded model)
-ENGINE_KW = {**ENGINE_ARGS, "kv_cache_memory_bytes": 1 << 30}
+#: requirements cover; ~22k tokens of the embedded model), eager: compiling adds over a minute to
+#: each engine's start. The compiled-mode tests (tests/engine/test_compiled.py) pass
+#: ``enforce_eager=False``.
+ENGINE_KW = {**engine_args(eager=True), "kv_cache_memory_bytes": 1 << 30}
 
 
 @contextlib.contextmanager

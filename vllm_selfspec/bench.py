@@ -62,16 +62,29 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
 #: the default LayerSkip exit: this many layers short of the model's last
 LAYERSKIP_SHORT_OF_FULL = 2
 #: engine settings shared by every method (the load test's and the engine tests' derive from them)
+#: in vLLM's default mode, as people run it: compiled (torch.compile; on CUDA also CUDA graphs).
+#: ``engine_args(eager=True)`` adds ``enforce_eager`` (the bench's ``--eager``).
 #: the KV cache is sized in bytes (2 GiB: ~44k tokens of the embedded model), not as a share of
 #: the free memory, so a group of engines fits in memory at once
 ENGINE_ARGS = dict(
     dtype="float32",
-    enforce_eager=True,
     max_model_len=2048,
     kv_cache_memory_bytes=2 << 30,
     seed=0,
     disable_log_stats=False,
 )
+
+
+def engine_args(eager: bool = False) -> dict:
+    """``ENGINE_ARGS`` in vLLM's default (compiled) mode, or eager with ``eager``."""
+    return {**ENGINE_ARGS, "enforce_eager": bool(eager)}
+
+
+def mode_name(eager: bool) -> str:
+    """How results name the engines' mode."""
+    return "eager" if eager else "compiled (vLLM's default)"
+
+
 #: what a timed run reports, summed per repeat: its wall time and tokens, those of its decode
 #: steps at a full batch (``full_batch_decode``), and its engine steps (those that emitted tokens:
 #: a closed batch gains from drafts only where they remove steps, see ``summarize``)
@@ -117,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompts per timed slice, each a closed batch run by every engine in turn "
         "(default twice the batch size; several times it: a server with a standing queue)",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="run every engine eagerly (enforce_eager); default: vLLM's default mode, "
+        "compiled (torch.compile, and CUDA graphs on CUDA), as people run vLLM",
     )
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
@@ -217,9 +236,14 @@ def _worker(spec_path: str) -> int:
 
     cfg, prompts = spec["config"], spec["prompts"]
     selfspec = cfg is not None and cfg.get("method") in selfspec_methods()
+    t_start = time.perf_counter()
     llm = LLM(
-        model=spec["model"], max_num_seqs=spec["batch_size"], speculative_config=cfg, **ENGINE_ARGS
+        model=spec["model"],
+        max_num_seqs=spec["batch_size"],
+        speculative_config=cfg,
+        **engine_args(spec.get("eager", False)),
     )
+    startup_s = time.perf_counter() - t_start  # compilation (or its cache) included
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
     token_ids: list = [None] * len(prompts)
     deterministic = True
@@ -274,6 +298,7 @@ def _worker(spec_path: str) -> int:
             "selfspec_stats": get_stats(llm) if selfspec else None,
             "vllm_version": vllm.__version__,
             "torch_threads": torch.get_num_threads(),
+            "startup_s": startup_s,
         }
         Path(spec["result_path"]).write_text(json.dumps(result), encoding="utf-8")
         res.write("done\n")
@@ -611,6 +636,8 @@ def summarize(
         "deterministic": raw["deterministic"],
         "generated_tokens": tokens,
         "wall_s_runs": [r["wall_s"] for r in raw["runs"]],
+        # seconds to build the engine (vllm.LLM), compilation or its cache included
+        "startup_s": raw.get("startup_s"),
         "spec_decode_counters": c if spec else None,
     }
 
@@ -641,8 +668,8 @@ def markdown_table(methods: dict[str, dict]) -> str:
         "| method | tok/s | speedup | per slice [90% interval] | full-batch speedup "
         "| engine steps (vs vanilla) | acceptance | mean accepted/round "
         "| tokens/layer | parity | draft/verify/policy/shadow/optimise share "
-        "| skipped attn/MLP per round |",
-        "|" + "---|" * 12,
+        "| skipped attn/MLP per round | start-up s |",
+        "|" + "---|" * 13,
     ]
     for name, m in methods.items():
         share = (m["time_breakdown"] or {}).get("share")
@@ -670,7 +697,7 @@ def markdown_table(methods: dict[str, dict]) -> str:
             f"| {_fmt(m['acceptance_rate'], pct=True)} "
             f"| {_fmt(m['mean_accepted_tokens'], '.2f')} "
             f"| {_fmt(m['tokens_per_layer'], '.4f')} | {_fmt(m['parity'], '.2f')} "
-            f"| {shares} | {skipped} |"
+            f"| {shares} | {skipped} | {_fmt(m.get('startup_s'), '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -767,6 +794,7 @@ def main(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "repeats": args.repeats,
         "slice_size": args.slice_size,
+        "eager": args.eager,
     }
     with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
         try:
@@ -791,7 +819,8 @@ def main(args: argparse.Namespace) -> int:
         vllm_version=raw["vanilla"]["vllm_version"],
         torch_threads=raw["vanilla"]["torch_threads"],
         engine_omp_cores=raw["vanilla"]["engine_omp_cores"],
-        engine_args=ENGINE_ARGS,
+        engine_args=engine_args(args.eager),
+        mode=mode_name(args.eager),
         command_line=_command_line(),
     )
     table = markdown_table(methods)
@@ -811,6 +840,7 @@ def main(args: argparse.Namespace) -> int:
         f"model `{model}` ({num_layers} layers), prompts {args.prompts} x "
         f"{len(prompts)}, max_tokens {args.max_tokens}, batch {args.batch_size}, "
         f"repeats {args.repeats}, slices of {last - first} prompts, "
+        f"engines {mode_name(args.eager)}, "
         f"vLLM {settings['vllm_version']}, "
         f"torch threads {settings['torch_threads']} (engine OMP cores "
         f"{settings['engine_omp_cores']}), greedy"

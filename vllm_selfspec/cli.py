@@ -50,7 +50,9 @@ def _build_vocab(args) -> int:
 
 def _demo(args) -> int:
     config = json.loads(args.config) if args.config else None
-    return run_demo(model=args.model, speculative_config=config, max_tokens=args.max_tokens)
+    return run_demo(
+        model=args.model, speculative_config=config, max_tokens=args.max_tokens, eager=args.eager
+    )
 
 
 #: train-heads options that set the TrainConfig field of the same name (None: its default)
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         help='selfspec speculative config as JSON (default: {"method": "auto"})',
     )
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument(
+        "--eager", action="store_true", help="both engines eager (default: vLLM's, compiled)"
+    )
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmark vanilla and methods on the same prompts")

@@ -260,6 +260,28 @@ def runner_internals():
     return set_forward_context, CommonAttentionMetadata, AttentionGroup
 
 
+def compiles(vllm_config) -> bool:
+    """Whether vLLM compiles the target model: its default mode (torch.compile; on CUDA with CUDA
+    graphs too), False under ``enforce_eager``. The draft forwards follow it."""
+    from vllm.config import CompilationMode
+
+    return vllm_config.compilation_config.mode not in (None, CompilationMode.NONE)
+
+
+def compile_options(vllm_config) -> dict:
+    """Inductor options for the draft forwards: those vLLM compiles the target with on this
+    platform (on CPU: dead-code elimination, no size asserts, epilogue fusion)."""
+    return dict(vllm_config.compilation_config.inductor_compile_config or {})
+
+
+def warm_up_context(vllm_config, num_tokens: int):
+    """A forward context without attention metadata, as vLLM's own warm-up runs: attention
+    returns at once and writes no KV (so compiling a draft forward touches no cache)."""
+    from vllm.forward_context import set_forward_context
+
+    return set_forward_context(None, vllm_config, num_tokens=num_tokens)
+
+
 def base_worker_class():
     """The platform's V1 worker class (CPU or CUDA), chosen at import time."""
     from vllm.platforms import current_platform

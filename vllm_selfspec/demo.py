@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .bench import run_interleaved
+from .bench import mode_name, run_interleaved
 from .models import resolve_model
 from .prompts import load_prompts
 
@@ -23,7 +23,10 @@ DEMO_CONFIG = {"method": "auto"}
 
 
 def run_demo(
-    model: str | None = None, speculative_config: dict | None = None, max_tokens: int = 96
+    model: str | None = None,
+    speculative_config: dict | None = None,
+    max_tokens: int = 96,
+    eager: bool = False,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -36,12 +39,13 @@ def run_demo(
         "prompts": prompts,
         "max_tokens": max_tokens,
         "batch_size": 1,
+        "eager": eager,
     }
     if cfg.get("method") == "auto":
         from .config import auto_note
 
         print(auto_note(model), flush=True)
-    print(f"running vanilla vLLM and {cfg} ...", flush=True)
+    print(f"running vanilla vLLM and {cfg}, {mode_name(eager)} ...", flush=True)
     with tempfile.TemporaryDirectory(prefix="selfspec-demo-") as tmp:
         raw, ratios = run_interleaved(
             {"vanilla": None, "selfspec": cfg},
@@ -67,5 +71,9 @@ def run_demo(
         f"\nvanilla: {tps[0]:.1f} tok/s | {cfg['method']}: {tps[1]:.1f} tok/s "
         f"({ratios['selfspec'][0]:.2f}x), acceptance {acc:.0%}, "
         f"identical outputs {same}/{len(prompts)} (one request at a time)"
+    )
+    print(
+        f"engine start-up ({mode_name(eager)}): vanilla {van['startup_s']:.0f} s, "
+        f"{cfg['method']} {ss['startup_s']:.0f} s"
     )
     return 0 if same == len(prompts) else 1

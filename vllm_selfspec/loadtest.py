@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from .bench import ENGINE_ARGS
+from .bench import engine_args
 
 _FILLER = (
     "The committee met on Tuesday to review the budget, the schedule and the open "
@@ -49,18 +49,26 @@ PROMPTS = [
     "Translate to French: Good morning, how are you today?",
 ]
 MAX_TOKENS = 32  # greedy references are this long; requests ask for 1..MAX_TOKENS
-#: engine settings the served engine and the vanilla references share (vllm.LLM keywords; the
-#: server gets the same as command-line flags, see ``cli_args``): the bench's, except
-ENGINE_KW = {
-    **ENGINE_ARGS,
-    # a fixed 1 GiB KV cache (~23k tokens of the embedded model): enough for 32 long requests,
-    # and a small footprint for a server that the test session keeps up
-    "kv_cache_memory_bytes": 1 << 30,
-    # the clients' concurrency (the bench sets max_num_seqs per run, from --batch-size)
-    "max_num_seqs": 32,
-    # a small prefill budget, so that long prompts are chunked and share steps with decodes
-    "max_num_batched_tokens": 256,
-}
+
+
+def engine_kw(eager: bool = False) -> dict[str, Any]:
+    """Engine settings the served engine and the vanilla references share (vllm.LLM keywords; the
+    server gets the same as command-line flags, see ``cli_args``): the bench's, in vLLM's default
+    (compiled) mode unless ``eager``, except:"""
+    return {
+        **engine_args(eager),
+        # a fixed 1 GiB KV cache (~23k tokens of the embedded model): enough for 32 long
+        # requests, and a small footprint for a server that the test session keeps up
+        "kv_cache_memory_bytes": 1 << 30,
+        # the clients' concurrency (the bench sets max_num_seqs per run, from --batch-size)
+        "max_num_seqs": 32,
+        # a small prefill budget, so that long prompts are chunked and share steps with decodes
+        "max_num_batched_tokens": 256,
+    }
+
+
+#: the served engine's settings in vLLM's default mode (the tests serve with ``engine_kw(True)``)
+ENGINE_KW = engine_kw()
 
 
 def cli_args(kw: dict[str, Any]) -> list[str]:

@@ -9,10 +9,14 @@ from pathlib import Path
 import pytest
 
 from vllm_selfspec import config
-from vllm_selfspec.loadtest import ENGINE_KW, cli_args
+from vllm_selfspec.loadtest import cli_args, engine_kw
 from vllm_selfspec.serving import Server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+#: the served engine's settings, eager as every engine test's (selfspec_testing.ENGINE_KW)
+ENGINE_KW = engine_kw(eager=True)
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,13 @@ skipped this is bit-identical to the model's own decoder-layer forward (the text
 ``x + f(norm(x))`` is not). The family's norms and blocks come from its layout adapter
 (``compat.model_layout``: Llama/Mistral/Qwen, Gemma 2/3). Must run inside vLLM's forward
 context (attention finds its KV cache and metadata there).
+
+Compiled (``PlanExecutor(model, compile_options=...)``, in vLLM's default mode): each decoder
+layer, and each attention or MLP sub-layer, runs through one ``torch.compile``d function shared
+by every layer (*regional* compilation: a layer's weights are its inputs, and vLLM's attention op
+takes its layer's name as an input, not a constant), so a draft of any depth, plan, exit walk or
+deferred round reuses a handful of graphs, compiled once at start-up (``warm_up``): token
+counts are dynamic (one graph for a single row, one for more).
 """
 
 from __future__ import annotations
@@ -23,10 +30,41 @@ def _norm(norm, h: torch.Tensor, res: torch.Tensor | None):
     return norm(h, res)
 
 
+# The functions the executor compiles (regionally: one graph serves every layer). Eagerly they
+# are plain calls. ``res`` is never None in a compiled call (``PlanExecutor._stream``), so one
+# graph serves the first layer too.
+def whole_layer(layer, positions, h, res):
+    """A whole decoder layer, vLLM's own forward: ``(pending, residual)``."""
+    return layer(positions, h, res)
+
+
+def attn_sublayer(lay, layer, positions, h, res):
+    """The attention sub-layer of ``layer`` alone (the MLP's pending delta is left for later)."""
+    x, res = _norm(lay.attn_norm(layer), h, res)
+    return lay.attn(layer, positions, x), res
+
+
+def mlp_sublayer(lay, layer, h, res):
+    """The MLP sub-layer of ``layer`` alone."""
+    x, res = _norm(lay.mlp_norm(layer), h, res)
+    return lay.mlp(layer, x), res
+
+
 class PlanExecutor:
-    def __init__(self, model) -> None:
+    def __init__(self, model, compile_options: dict | None = None) -> None:
         self.layout = model_layout(model)
         self.num_layers = len(self.layout.layers)
+        #: whether draft forwards run compiled (``compile_options``: Inductor's options; None:
+        #: eager), and the three layer functions they run through
+        self.compiled = compile_options is not None
+        self.whole_layer, self.attn_sublayer, self.mlp_sublayer = (
+            (whole_layer, attn_sublayer, mlp_sublayer)
+            if compile_options is None
+            else tuple(
+                torch.compile(f, dynamic=True, options=compile_options)
+                for f in (whole_layer, attn_sublayer, mlp_sublayer)
+            )
+        )
         #: trained exit heads by name (``plan.head``): modules with ``transform(x) -> x'`` on the
         #: pre-norm residual stream; the model's own final norm + LM head then give the logits.
         #: ``"lm_head"`` (no transform) is always there.
@@ -46,9 +84,29 @@ class PlanExecutor:
         self, plan: LayerPlan, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(pending, residual)`` after the plan's last layer (the stream is their sum)."""
-        return self.run_layers(
-            plan, self.layout.embed(input_ids), None, positions, 0, plan.exit_layer
-        )
+        h = self.layout.embed(input_ids)
+        return self.run_layers(plan, h, self._stream(h), positions, 0, plan.exit_layer)
+
+    def _stream(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The residual stream entering the first layer: None (vLLM's own first-layer form)
+        eagerly; zeros when compiled (``h + 0 == h``, and one graph serves every layer)."""
+        return torch.zeros_like(h) if self.compiled else None
+
+    @torch.inference_mode()
+    def warm_up(self, context, hidden_size: int, dtype, device) -> None:
+        """Compiles the layer functions for one row and for several, before serving (else the
+        first draft steps would): under ``context(num_tokens)``, a forward context without
+        attention metadata, where attention returns at once and writes no KV."""
+        if not self.compiled:
+            return
+        layer, lay = self.layout.layers[0], self.layout
+        for n in (1, 2):
+            h = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+            pos = torch.zeros(n, dtype=torch.long, device=device)
+            with context(n):
+                self.whole_layer(layer, pos, h, h.clone())
+                self.attn_sublayer(lay, layer, pos, h, h.clone())
+                self.mlp_sublayer(lay, layer, h, h.clone())
 
     def run_layers(
         self,
@@ -65,14 +123,12 @@ class PlanExecutor:
             layer = lay.layers[i]
             run_attn, run_mlp = plan.attn[i], plan.mlp[i]
             if run_attn and run_mlp:
-                h, res = layer(positions, h, res)
+                h, res = self.whole_layer(layer, positions, h, res)
                 continue
             if run_attn:
-                h, res = _norm(lay.attn_norm(layer), h, res)
-                h = lay.attn(layer, positions, h)
+                h, res = self.attn_sublayer(lay, layer, positions, h, res)
             if run_mlp:
-                h, res = _norm(lay.mlp_norm(layer), h, res)
-                h = lay.mlp(layer, h)
+                h, res = self.mlp_sublayer(lay, layer, h, res)
         return h, res
 
     def run_mixed(
@@ -100,7 +156,7 @@ class PlanExecutor:
             attn = [r for r, p in enumerate(plans) if p.exit_layer > i and p.attn[i]]
             mlp = [r for r, p in enumerate(plans) if p.exit_layer > i and p.mlp[i]]
             if attn == mlp == everyone:  # the whole layer on every row: vLLM's own forward
-                h, res = layer(positions, h, res)
+                h, res = self.whole_layer(layer, positions, h, res)
             else:
                 for rows, is_attn in ((attn, True), (mlp, False)):
                     if rows:
@@ -117,13 +173,11 @@ class PlanExecutor:
         delta for a later norm)."""
         lay = self.layout
         idx = torch.tensor(rows, device=h.device)
-        norm = lay.attn_norm(layer) if attn else lay.mlp_norm(layer)
-        x, r = norm(h[idx], res[idx])
         if attn:
             with context(rows):
-                x = lay.attn(layer, positions[idx], x)
+                x, r = self.attn_sublayer(lay, layer, positions[idx], h[idx], res[idx])
         else:
-            x = lay.mlp(layer, x)
+            x, r = self.mlp_sublayer(lay, layer, h[idx], res[idx])
         h, res = h.clone(), res.clone()
         h[idx], res[idx] = x, r
         return h, res
@@ -141,7 +195,8 @@ class PlanExecutor:
         shallowest first and takes the first exit whose confidence clears its threshold; all rows
         go deeper together while any is undecided (rows with no exit get logits of zeros; the
         caller drops them)."""
-        h, res, start = self.layout.embed(input_ids), None, 0
+        h, start = self.layout.embed(input_ids), 0
+        res = self._stream(h)
         chosen = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=h.device)
         max_exit = max_exit.to(h.device)
         logits = None

@@ -171,7 +171,11 @@ class SelfSpecProposer:
         self.runner = runner
 
     def load_model(self, target_model) -> None:  # called by the runner's load_model
-        self.executor = PlanExecutor(target_model)
+        # draft forwards run compiled where vLLM compiles the target (its default mode)
+        compiled = compat.compiles(self.vllm_config)
+        self.executor = PlanExecutor(
+            target_model, compat.compile_options(self.vllm_config) if compiled else None
+        )
         self.shadow = ShadowProjector(
             self.executor,
             self.info.vocab_size,
@@ -191,6 +195,18 @@ class SelfSpecProposer:
             )
         self.ctx = DraftContext(self, self.runner, self.executor, self.shadow)
         self.drafter = DRAFTERS[self.policy.drafter](self.ctx)
+
+    def warm_up(self) -> float:
+        """Compiles the draft forwards before serving (nothing eagerly); returns the seconds."""
+        t0 = time.perf_counter()
+        param = self.executor.layout.norm.weight
+        self.executor.warm_up(
+            lambda n: compat.warm_up_context(self.vllm_config, n),
+            self.info.hidden_size,
+            param.dtype,
+            param.device,
+        )
+        return time.perf_counter() - t0
 
     def _identity(self):
         """The target's identity (heads.identity) on TP rank 0 (None elsewhere): rank 0 holds

@@ -224,7 +224,12 @@ class SelfSpecWorker(_BaseWorker):
 
     def compile_or_warm_up_model(self, *args, **kwargs):  # the worker's last start-up step
         out = super().compile_or_warm_up_model(*args, **kwargs)
-        if isinstance(getattr(self.model_runner, "drafter", None), SelfSpecProposer):
+        drafter = getattr(self.model_runner, "drafter", None)
+        if isinstance(drafter, SelfSpecProposer):
+            if drafter.executor.compiled:
+                logger.info(
+                    "vllm-selfspec compiled its draft forwards in %.1f s", drafter.warm_up()
+                )
             logger.info(
                 "vllm-selfspec froze the worker's start-up heap: %d objects", freeze_startup_heap()
             )
