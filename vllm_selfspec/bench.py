@@ -46,7 +46,8 @@ from .models import resolve_model
 from .prompts import load_prompts
 
 #: method name -> speculative config (None: no speculation).
-#: Any other selfspec method (config.methods(): the policies and "auto") gets {"method": name}.
+#: Any other selfspec method (config.methods(): the policies and "auto") or vLLM method
+#: (compat.vllm_spec_methods(): "suffix", "ngram", ...) gets {"method": name}.
 METHOD_DEFAULTS: dict[str, dict | None] = {
     "vanilla": None,
     "ngram": {
@@ -55,10 +56,16 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
         "prompt_lookup_max": 4,
         "prompt_lookup_min": 2,
     },
+    # vLLM's suffix decoding (ArcticInference's suffix trees) with vLLM's defaults: needs the
+    # module arctic_inference.suffix_decoding (scripts/install_suffix_decoding.sh; make does it)
+    "suffix": {"method": "suffix"},
     # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md): E = 28 of its 30
     # layers; on any model, two layers short of the full model (method_configs)
     "layerskip": {"method": "layerskip", "num_speculative_tokens": 1},
 }
+#: a label's own engine settings, in its --method-config entry: {"vanilla-eager": {"method":
+#: "vanilla", "engine": {"enforce_eager": true}}} runs an eager vanilla beside compiled engines
+ENGINE_KEY = "engine"
 #: the default LayerSkip exit: this many layers short of the model's last
 LAYERSKIP_SHORT_OF_FULL = 2
 #: engine settings shared by every method (the load test's and the engine tests' derive from them)
@@ -164,7 +171,6 @@ def method_configs(
     from .config import methods as selfspec_methods
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
-    known = sorted(set(METHOD_DEFAULTS) | set(selfspec_methods()))
     try:
         extra = json.loads(overrides) if overrides else {}
     except json.JSONDecodeError as e:
@@ -181,9 +187,10 @@ def method_configs(
             configs[name] = None if METHOD_DEFAULTS[base] is None else dict(METHOD_DEFAULTS[base])
             if base == "layerskip":
                 configs[name]["exit_layer"] = max(1, num_layers - LAYERSKIP_SHORT_OF_FULL)
-        elif base in selfspec_methods():
+        elif base in selfspec_methods() or base in _vllm_methods():
             configs[name] = {"method": base}
         else:
+            known = sorted(set(METHOD_DEFAULTS) | set(selfspec_methods()) | set(_vllm_methods()))
             raise ValueError(
                 f"unknown method {name!r}; known methods: {', '.join(known)} "
                 f'(or a label defined in --method-config with a "method" key)'
@@ -191,14 +198,65 @@ def method_configs(
     for name, opts in extra.items():
         if name not in configs:
             raise ValueError(f"--method-config names {name!r}, which is not in --methods")
-        if configs[name] is None and opts == {"method": "vanilla"}:
-            continue  # a second vanilla engine: an A/A control of the bench itself
+        if configs[name] is None and isinstance(opts, dict) and opts.get("method") == "vanilla":
+            # a second vanilla engine: an A/A control of the bench itself, or (with engine
+            # settings of its own) vanilla in another mode
+            if set(opts) - {"method", ENGINE_KEY}:
+                raise ValueError(f"--method-config[{name!r}]: vanilla takes only {ENGINE_KEY!r}")
+            if ENGINE_KEY in opts:
+                configs[name] = {"method": "vanilla", ENGINE_KEY: dict(opts[ENGINE_KEY])}
+            continue
         if configs[name] is None or not isinstance(opts, dict):
             raise ValueError(
                 f"--method-config[{name!r}]: expected a dict of options for a speculative method"
             )
         configs[name].update(opts)
     return configs
+
+
+def split_engine(cfg: dict | None) -> tuple[dict | None, dict]:
+    """A label's config -> (its speculative config, None for vanilla; its own engine settings).
+
+    >>> split_engine({"method": "vanilla", "engine": {"enforce_eager": True}})
+    (None, {'enforce_eager': True})
+    >>> split_engine({"method": "auto"})
+    ({'method': 'auto'}, {})
+    """
+    if cfg is None:
+        return None, {}
+    cfg = dict(cfg)
+    engine = cfg.pop(ENGINE_KEY, {})
+    return (None if cfg.get("method") == "vanilla" else cfg), engine
+
+
+def _vllm_methods() -> list[str]:
+    """vLLM's own speculative methods, its "custom_class" hook aside (the plugin's)."""
+    from .compat import vllm_spec_methods
+
+    return [m for m in vllm_spec_methods() if m != "custom_class"]
+
+
+def forget_cross_request_memory(llm, cfg: dict | None) -> None:
+    """Empty what a method drafts from across requests, before a repeat of the same prompts
+    (which no real workload offers): selfspec's shared lookup index, suffix decoding's global
+    tree. Every method starts each repeat alike."""
+    from .config import methods as selfspec_methods
+
+    method = (cfg or {}).get("method")
+    if method in selfspec_methods():
+        forget_outputs(llm)
+    elif method == "suffix":
+        llm.collective_rpc(_new_suffix_cache)
+
+
+def _new_suffix_cache(worker) -> None:
+    """In a worker of vLLM's suffix method: a new, empty suffix cache of the same limits (vLLM's
+    ``SuffixDecodingProposer.suffix_cache``; the cache has no way to empty itself)."""
+    drafter = worker.model_runner.drafter
+    old = drafter.suffix_cache
+    drafter.suffix_cache = type(old)(
+        max_tree_depth=old.max_tree_depth, max_cached_requests=old.max_cached_requests
+    )
 
 
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
@@ -209,6 +267,7 @@ def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():
+        cfg = split_engine(cfg)[0]
         if cfg is not None and cfg["method"] in selfspec_methods():
             SelfSpecConfig.load(cfg).validate_for_model(info)
 
@@ -234,14 +293,16 @@ def _worker(spec_path: str) -> int:
 
     from .config import methods as selfspec_methods
 
-    cfg, prompts = spec["config"], spec["prompts"]
+    (cfg, engine), prompts = split_engine(spec["config"]), spec["prompts"]
     selfspec = cfg is not None and cfg.get("method") in selfspec_methods()
+    if (cfg or {}).get("method") == "suffix":  # forget_cross_request_memory sends a function
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t_start = time.perf_counter()
     llm = LLM(
         model=spec["model"],
         max_num_seqs=spec["batch_size"],
         speculative_config=cfg,
-        **engine_args(spec.get("eager", False)),
+        **{**engine_args(spec.get("eager", False)), **engine},
     )
     startup_s = time.perf_counter() - t_start  # compilation (or its cache) included
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
@@ -269,8 +330,8 @@ def _worker(spec_path: str) -> int:
             if not words or words[0] != "run":
                 break
             start, stop, fresh = int(words[1]), int(words[2]), words[3] == "1"
-            if selfspec and fresh:  # a repeat drafts only from its own requests' outputs
-                forget_outputs(llm)
+            if fresh:  # a repeat drafts only from its own requests' outputs
+                forget_cross_request_memory(llm, cfg)
             # every timed run computes its prompts, as a server does for prompts it has not seen
             # (not the prefix cache's copies from the warm-up and the repeats before)
             llm.reset_prefix_cache()
@@ -572,6 +633,7 @@ def summarize(
     speedup is their median; without them, the ratio of the two medians)."""
     from .config import methods as selfspec_methods
 
+    cfg, engine = split_engine(cfg)
     tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
     tps = statistics.median(tps_runs)
     tokens = sum(r["tokens"] for r in raw["runs"])
@@ -632,6 +694,7 @@ def summarize(
         "parity": sum(same) / len(same) if same else None,
         "time_breakdown": breakdown,
         "config": cfg,
+        "engine_settings": engine,  # this label's own (split_engine)
         "selfspec_stats": stats,
         "deterministic": raw["deterministic"],
         "generated_tokens": tokens,

@@ -682,9 +682,10 @@ class LlamaLayout:
         group = get_tp_group()
         return rows if group.world_size == 1 else group.all_reduce(rows)
 
-    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+    def set_capture_layers(self, layers: tuple[int, ...], run_layer=None) -> None:
         """Make the model's forward also return the residual stream after each of ``layers``
-        layers (vLLM's EAGLE-3 hook, ``SupportsEagle3.set_aux_hidden_state_layers``)."""
+        layers (vLLM's EAGLE-3 hook, ``SupportsEagle3.set_aux_hidden_state_layers``, whose
+        outputs are graph outputs: the model stays compiled). ``run_layer``: see GemmaLayout."""
         self.model.set_aux_hidden_state_layers(tuple(layers))
 
 
@@ -694,8 +695,11 @@ class GemmaLayout(LlamaLayout):
     input norm is ``pre_feedforward_layernorm``, RMSNorms scale by ``1 + weight``, and the
     embeddings are scaled by sqrt(hidden) (inside ``embed_input_ids``). Attention soft-capping
     (Gemma 2) stays inside ``self_attn``; the final logit soft cap in ``logits_processor``.
-    vLLM's Gemma models have no EAGLE-3 hook: ``set_capture_layers`` gives the model an eager
-    forward that collects the residual stream itself (the same operations, in the same order)."""
+    vLLM's Gemma models have no EAGLE-3 hook: ``set_capture_layers`` gives the model a forward
+    that collects the residual stream itself (the same operations, in the same order), each
+    layer through ``run_layer(layer, positions, h, residual)`` (the draft forwards' compiled
+    layer function in vLLM's compiled mode: the loop runs outside vLLM's graph, its layers
+    compiled), or the layer's own call."""
 
     LAYER_PARTS = (
         *LlamaLayout.LAYER_PARTS,
@@ -715,7 +719,7 @@ class GemmaLayout(LlamaLayout):
     def final_norm_scale(self) -> torch.Tensor:
         return 1.0 + self.norm.weight.float()
 
-    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+    def set_capture_layers(self, layers: tuple[int, ...], run_layer=None) -> None:
         wanted = frozenset(layers)
         model, inner = self.model, self.model.model
 
@@ -725,7 +729,12 @@ class GemmaLayout(LlamaLayout):
             if 0 in wanted:
                 aux.append(h)
             for i, layer in enumerate(inner.layers):
-                h, res = layer(positions, h, res, **kw)
+                if run_layer is None or kw:
+                    h, res = layer(positions, h, res, **kw)
+                else:  # the compiled function takes a residual stream (h + 0 == h)
+                    h, res = run_layer(
+                        layer, positions, h, torch.zeros_like(h) if res is None else res
+                    )
                 if i + 1 in wanted:
                     aux.append(h + res)
             return inner.norm(h, res)[0], aux

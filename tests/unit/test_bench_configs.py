@@ -26,3 +26,30 @@ def test_overrides_and_variants_merge_into_the_defaults():
     assert configs["ls8"] == {"method": "layerskip", "num_speculative_tokens": 1, "exit_layer": 16}
     with pytest.raises(ValueError, match="not in --methods"):
         method_configs("layerskip", '{"del": {}}', 18)
+
+
+def test_vllm_methods_run_as_peers():
+    """Any of vLLM's own methods is a peer under its name or a label; suffix decoding by default
+    with vLLM's defaults."""
+    configs = method_configs(
+        "suffix,sfx8,ngram", '{"sfx8": {"method": "suffix", "num_speculative_tokens": 8}}', 30
+    )
+    assert configs["suffix"] == {"method": "suffix"}
+    assert configs["sfx8"] == {"method": "suffix", "num_speculative_tokens": 8}
+    assert configs["ngram"]["method"] == "ngram"
+    with pytest.raises(ValueError, match="unknown method 'nope'.*suffix"):
+        method_configs("nope", None, 30)
+
+
+def test_a_label_runs_in_its_own_mode():
+    """An eager vanilla beside compiled engines (or the reverse), in the same run."""
+    from vllm_selfspec.bench import split_engine
+
+    configs = method_configs(
+        "vanilla-eager",
+        '{"vanilla-eager": {"method": "vanilla", "engine": {"enforce_eager": true}}}',
+    )
+    assert split_engine(configs["vanilla-eager"]) == (None, {"enforce_eager": True})
+    assert split_engine(configs["vanilla"]) == (None, {})
+    with pytest.raises(ValueError, match="vanilla takes only"):
+        method_configs("v2", '{"v2": {"method": "vanilla", "exit_layer": 3}}')

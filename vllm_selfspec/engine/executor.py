@@ -87,6 +87,11 @@ class PlanExecutor:
         h = self.layout.embed(input_ids)
         return self.run_layers(plan, h, self._stream(h), positions, 0, plan.exit_layer)
 
+    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        """The target forward also returns the residual stream after ``layers`` (the family's
+        hook; where the family has none, its forward runs through ``whole_layer``)."""
+        self.layout.set_capture_layers(layers, self.whole_layer if self.compiled else None)
+
     def _stream(self, h: torch.Tensor) -> torch.Tensor | None:
         """The residual stream entering the first layer: None (vLLM's own first-layer form)
         eagerly; zeros when compiled (``h + 0 == h``, and one graph serves every layer)."""
@@ -99,14 +104,17 @@ class PlanExecutor:
         attention metadata, where attention returns at once and writes no KV."""
         if not self.compiled:
             return
-        layer, lay = self.layout.layers[0], self.layout
+        lay = self.layout
         for n in (1, 2):
             h = torch.zeros(n, hidden_size, dtype=dtype, device=device)
             pos = torch.zeros(n, dtype=torch.long, device=device)
             with context(n):
-                self.whole_layer(layer, pos, h, h.clone())
-                self.attn_sublayer(lay, layer, pos, h, h.clone())
-                self.mlp_sublayer(lay, layer, h, h.clone())
+                # every layer: a family whose layers differ (Gemma's sliding and global ones)
+                # compiles each kind here; the others only pass the graphs' guards
+                for layer in lay.layers:
+                    self.whole_layer(layer, pos, h, h.clone())
+                    self.attn_sublayer(lay, layer, pos, h, h.clone())
+                    self.mlp_sublayer(lay, layer, h, h.clone())
 
     def run_layers(
         self,

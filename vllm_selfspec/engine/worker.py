@@ -20,7 +20,7 @@ from .stats import builtin
 
 _BaseWorker = compat.base_worker_class()
 _ModelRunnerOutput = compat.model_runner_output_class()
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(compat.LOGGER_NAME)
 
 
 def freeze_startup_heap() -> int:
@@ -134,7 +134,7 @@ class SelfSpecRunnerMixin:
     def _setup_eagle3_aux_hidden_state_outputs(self) -> None:
         drafter = self._selfspec()
         if drafter is not None and drafter.aux_layers:
-            drafter.executor.layout.set_capture_layers(drafter.aux_layers)
+            drafter.executor.set_capture_layers(drafter.aux_layers)
             return
         super()._setup_eagle3_aux_hidden_state_outputs()
 
