@@ -136,8 +136,9 @@ DRAFTER_KINDS = {
     # plan drafter, a sub-layer skip set: the compiled attention and MLP sub-layer functions
     "plan": {"method": "layerskip", "skip_attn": [1], "skip_mlp": [2], "exit_layer": 3},
     "cascade": {"method": "cascade", "heads": "{heads}", "thresholds": {"1": 0.0, "2": 0.0}},
-    # deferred rounds, finished by a layer-by-layer target forward of compiled layers
-    "deferred": {"method": "adadecode", "heads": "{heads}", "threshold": 0.3},
+    # deferred rounds, finished by a layer-by-layer target forward of compiled layers; a
+    # threshold under 1 / VOCAB makes every head confident (test_families.py)
+    "deferred": {"method": "adadecode", "heads": "{heads}", "threshold": 0.001},
     "feature": {"method": "feature", "heads": "{heads}"},
 }
 HEAD_LAYERS = {"cascade": (1, 2), "adadecode": (1, 2), "feature": (0,)}
