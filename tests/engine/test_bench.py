@@ -35,10 +35,16 @@ def test_bench_writes_results(model_path, tmp_path):
             "1",
             "--out",
             str(out),
+            # eager: compiling would add minutes (tests/engine/test_compiled.py and the demo's
+            # test run compiled engines)
+            "--eager",
         ]
     )
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["engine_args"]["enforce_eager"] is True
+    assert res["settings"]["mode"] == "eager"
+    assert all(m["startup_s"] > 0 for m in res["methods"].values())
     van, full = res["methods"]["vanilla"], res["methods"]["full"]
     assert van["speedup"] == 1.0 and van["tokens_per_layer"] == pytest.approx(1 / 30)
     assert full["parity"] == 1.0 and full["acceptance_rate"] == 1.0
@@ -74,7 +80,9 @@ def test_prepare_model_prints_the_path(model_path, capsys):
 
 
 def test_demo_runs_vanilla_and_auto_with_identical_outputs(model_path, capsys):
-    """`make demo`'s job, short: both engines run, the outputs are compared and summed up."""
+    """`make demo`'s job, short: both engines run in vLLM's default mode, compiled, the outputs
+    are compared and summed up."""
     assert main(["demo", "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "identical outputs 4/4" in out and "vanilla:" in out and "auto:" in out
+    assert "engine start-up (compiled (vLLM's default))" in out

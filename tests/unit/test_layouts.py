@@ -142,3 +142,35 @@ def test_gemma_final_norm_scale_is_one_plus_weight(vllm_config):
     want = model.model.norm(x)
     got = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
     torch.testing.assert_close(got, want)
+
+
+@torch.inference_mode()
+def test_compiled_layer_functions_serve_every_layer(vllm_config):
+    """Regional compilation (engine/executor.py, "Compiled"): one graph per layer function serves
+    every layer, for a single row and for any number of rows, and computes what the layer does.
+    A graph per layer (weights or names baked in as constants) would compile L times over."""
+    from torch._dynamo.utils import counters
+
+    from vllm_selfspec.engine.executor import PlanExecutor
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = [_layer("llama") for _ in range(4)]
+    exe = PlanExecutor(_model(layers), compile_options={})
+    assert exe.compiled
+    lay = exe.layout
+    before = counters["stats"]["unique_graphs"]
+    for n in (1, 3, 5):
+        pos = torch.arange(n)
+        h, res = torch.randn(n, D), torch.zeros(n, D)
+        want_h, want_res = h, None
+        for layer in layers:
+            h, res = exe.whole_layer(layer, pos, h, res)
+            want_h, want_res = layer(pos, want_h, want_res)
+            torch.testing.assert_close(h, want_h)
+            torch.testing.assert_close(res, want_res)
+        x, r = exe.mlp_sublayer(lay, layers[2], h, res)
+        want = layers[2].mlp(lay.mlp_norm(layers[2])(h, res)[0])
+        torch.testing.assert_close(x, want)
+    # whole_layer: one graph for one row, one for more; mlp_sublayer: the same
+    assert counters["stats"]["unique_graphs"] - before <= 4

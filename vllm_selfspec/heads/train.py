@@ -145,7 +145,7 @@ def fit_transforms(
     history: dict[str, list[float]] = {str(l): [] for l in heads}
     step, seconds = 0, 0.0
     if state_path is not None and state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
+        state = torch.load(state_path, weights_only=True)  # a checkpoint runs no code
         for l, h in heads.items():
             h.load_state_dict(state["heads"][l])
         opt.load_state_dict(state["optimizer"])
