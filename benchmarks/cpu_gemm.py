@@ -1,4 +1,4 @@
-"""What one draft step's GEMMs cost on this CPU, per weight of the embedded model (issue 10).
+"""What one draft step's GEMMs cost on this CPU, per weight of the embedded model.
 
 Times vLLM's own CPU GEMM (oneDNN with a prepacked weight, what every linear layer of the model
 runs) and ``torch.nn.functional.linear`` for 1-16 rows, for each weight of one SmolLM2-135M decoder

@@ -53,3 +53,29 @@ def test_a_label_runs_in_its_own_mode():
     assert split_engine(configs["vanilla"]) == (None, {})
     with pytest.raises(ValueError, match="vanilla takes only"):
         method_configs("v2", '{"v2": {"method": "vanilla", "exit_layer": 3}}')
+
+
+def test_each_repeat_empties_suffix_decodings_global_tree():
+    """vLLM's suffix method keeps one global tree of past responses: a repeat of the same prompts
+    would draft the previous repeat's outputs (95% acceptance), which no real workload offers."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.bench import forget_cross_request_memory
+
+    class Cache:  # arctic_inference's SuffixDecodingCache, as vLLM's proposer holds it
+        def __init__(self, max_tree_depth, max_cached_requests):
+            self.max_tree_depth, self.max_cached_requests = max_tree_depth, max_cached_requests
+            self.cached = []
+
+    old = Cache(24, 10000)
+    old.cached.append("a response")
+    worker = SimpleNamespace(
+        model_runner=SimpleNamespace(drafter=SimpleNamespace(suffix_cache=old))
+    )
+    llm = SimpleNamespace(collective_rpc=lambda fn: [fn(worker)])
+    forget_cross_request_memory(llm, {"method": "suffix"})
+    new = worker.model_runner.drafter.suffix_cache
+    assert new is not old and new.cached == []
+    assert (new.max_tree_depth, new.max_cached_requests) == (24, 10000)
+    forget_cross_request_memory(llm, {"method": "ngram"})  # nothing to forget
+    assert worker.model_runner.drafter.suffix_cache is new
