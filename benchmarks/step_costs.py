@@ -33,9 +33,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks reach the 
 #: initialisation (a draft step's cost does not depend on what the head learnt)
 CONFIGS = {
     "vanilla": (None, 0),
-    "plan E8": ({"method": "layerskip", "exit_layer": 8, "num_speculative_tokens": 1}, 1),
-    "plan E16": ({"method": "layerskip", "exit_layer": 16, "num_speculative_tokens": 3}, 3),
-    "plan E24": ({"method": "layerskip", "exit_layer": 24, "num_speculative_tokens": 6}, 6),
+    "plan E8": (
+        {"method": "layerskip", "exit_layer": 8, "num_speculative_tokens": 1, "goodput": False},
+        1,
+    ),
+    "plan E16": (
+        {"method": "layerskip", "exit_layer": 16, "num_speculative_tokens": 3, "goodput": False},
+        3,
+    ),
+    "plan E24": (
+        {"method": "layerskip", "exit_layer": 24, "num_speculative_tokens": 6, "goodput": False},
+        6,
+    ),
     "skip set": (
         {
             "method": "layerskip",
@@ -43,10 +52,14 @@ CONFIGS = {
             "skip_mlp": list(range(2, 24, 3)),
             "exit_layer": 24,
             "num_speculative_tokens": 3,
+            "goodput": False,
         },
         3,
     ),
-    "feature": ({"method": "feature", "heads": "{heads}", "num_speculative_tokens": 3}, 3),
+    "feature": (
+        {"method": "feature", "heads": "{heads}", "num_speculative_tokens": 3, "goodput": False},
+        3,
+    ),
 }
 BATCHES = (1, 8)
 
@@ -134,29 +147,31 @@ def measure(model: str, name: str, spec, k: int, eager: bool, prompts, max_token
 
 
 def table(results: dict) -> str:
-    """Markdown: each cost eager | compiled | their ratio, per batch size."""
+    """Markdown: each cost eager | compiled | their ratio, per batch size (configs measured)."""
     modes = ("eager", "compiled")
+    names = [n for n in CONFIGS if all(n in results[m] for m in modes)]
     rows = []
 
-    def row(label, key_fn):
+    def row(label, name, key):
         cells = []
         for bs in BATCHES:
-            e, c = (key_fn(results[m], bs) for m in modes)
+            e, c = (results[m][name][f"{key}_bs{bs}"] for m in modes)
             ratio = f"{e / c:.2f}x" if e and c else "–"
             cells += [f"{e:.1f}" if e else "–", f"{c:.1f}" if c else "–", ratio]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    row("plain step (target forward)", lambda r, bs: r["vanilla"][f"forward_bs{bs}"])
-    for name, k in (("plan E8", 1), ("plan E16", 3), ("plan E24", 6)):
-        row(f"verify step, k = {k}", lambda r, bs, n=name: r[n][f"forward_bs{bs}"])
-    for name in ("plan E8", "plan E16", "plan E24", "skip set", "feature"):
-        row(f"draft step, {name}", lambda r, bs, n=name: r[n][f"draft_bs{bs}"])
+    for name in names:
+        k = CONFIGS[name][1]
+        row("plain step" if k == 0 else f"verify step, k = {k}", name, "forward")
+    for name in names:
+        if CONFIGS[name][0] is not None:
+            row(f"draft step, {name}", name, "draft")
     head = "| step, ms (median) | " + " | ".join(
         f"bs {bs} eager | bs {bs} compiled | bs {bs} speedup" for bs in BATCHES
     )
     starts = ", ".join(
         f"{n} {results['eager'][n]['startup_s']:.0f} / {results['compiled'][n]['startup_s']:.0f}"
-        for n in CONFIGS
+        for n in names
     )
     return "\n".join(
         [
@@ -175,6 +190,11 @@ def main() -> int:
     p.add_argument("--prompts", default="passages")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default="step-costs")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"which of {', '.join(CONFIGS)} (vanilla and the three plans make the table's rows)",
+    )
     args = p.parse_args()
 
     from vllm_selfspec.models import resolve_model
@@ -186,7 +206,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         heads = built_feature_heads(model, Path(tmp) / "heads")
         for mode in results:
-            for name, (spec, k) in CONFIGS.items():
+            for name in args.configs.split(","):
+                spec, k = CONFIGS[name]
                 if spec is not None and spec.get("heads") == "{heads}":
                     spec = {**spec, "heads": heads}
                 r = measure(model, name, spec, k, mode == "eager", prompts, args.max_tokens)
