@@ -38,6 +38,16 @@ from selfspec_testing import (
 pytestmark = pytest.mark.engine
 COMPILED = {"enforce_eager": False}
 
+
+def _sibling(name: str):
+    """The test module ``tests/engine/<name>.py`` (its models, settings and checks)."""
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"compiled_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---- the embedded model ------------------------------------------------------------------------
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -100,23 +110,15 @@ def test_auto_compiled(model_path, vanilla):
 
 
 # ---- every drafter kind, on a tiny pass-through model -------------------------------------------
-VOCAB = 512
-TINY = dict(
-    skip_tokenizer_init=True,
-    max_model_len=256,
-    max_num_seqs=8,
-    kv_cache_memory_bytes=1 << 27,
-    **COMPILED,
-)
-TINY_PROMPTS = [
-    {"prompt_token_ids": [(7 * i + 3 * j) % VOCAB for j in range(3 + 5 * i)]} for i in range(6)
-]
+FEATURE = _sibling("test_feature")  # its tiny model's settings and prompts
+TINY = {**FEATURE.KW, **COMPILED}
 
 
 @pytest.fixture(scope="module")
 def passthrough(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compiled-model")
-    return save_passthrough_top(save_tiny_model(tmp / "random", VOCAB), tmp / "bigram", keep=0)
+    random = save_tiny_model(tmp / "random", FEATURE.VOCAB)
+    return save_passthrough_top(random, tmp / "bigram", keep=0)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def tiny_vanilla(passthrough):
 def _tiny_run(model, spec):
     sp = SamplingParams(temperature=0, max_tokens=24)
     with engine(model, speculative_config=spec, **TINY) as llm:
-        out = token_ids(llm.generate(TINY_PROMPTS, sp, use_tqdm=False))
+        out = token_ids(llm.generate(FEATURE.PROMPTS, sp, use_tqdm=False))
         return out, None if spec is None else vllm_selfspec.get_stats(llm)
 
 
@@ -159,15 +161,6 @@ def test_drafter_kinds_compiled(passthrough, tiny_vanilla, kind, tmp_path):
 
 
 # ---- sampling keeps the target distribution ------------------------------------------------------
-def _sibling(name: str):
-    """The test module ``tests/engine/<name>.py`` (its models, settings and checks)."""
-    path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"compiled_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gemma_capture_compiled(tmp_path):
     """Gemma 3 with DEL: vLLM's Gemma has no EAGLE-3 hook, so capturing hidden states replaces
     the model's forward (``GemmaLayout.set_capture_layers``) by a loop over the compiled layer
