@@ -155,6 +155,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.metadata
+import os
 import sys
 import typing
 
@@ -266,6 +267,22 @@ def compiles(vllm_config) -> bool:
     from vllm.config import CompilationMode
 
     return vllm_config.compilation_config.mode not in (None, CompilationMode.NONE)
+
+
+#: draft forwards compiled ("1") or eager ("0") in vLLM's compiled mode; unset: compiled except
+#: on the CPU, where the regionally compiled draft layers measured slower than eager ones
+#: (docs/performance.md, "Step costs"); under enforce_eager they are always eager
+COMPILE_DRAFTS_ENV = "VLLM_SELFSPEC_COMPILE_DRAFTS"
+
+
+def compiles_drafts(vllm_config) -> bool:
+    """Whether the draft forwards run compiled (``COMPILE_DRAFTS_ENV``)."""
+    if not compiles(vllm_config):
+        return False
+    value = os.environ.get(COMPILE_DRAFTS_ENV)
+    if value not in (None, "", "0", "1"):
+        raise ValueError(f'{COMPILE_DRAFTS_ENV} must be "0" or "1", got {value!r}')
+    return value == "1" if value else not is_cpu()
 
 
 def compile_options(vllm_config) -> dict:

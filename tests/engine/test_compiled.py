@@ -34,6 +34,7 @@ from selfspec_testing import (
     selfspec_log,
     token_ids,
 )
+from vllm_selfspec import compat
 
 pytestmark = pytest.mark.engine
 COMPILED = {"enforce_eager": False}
@@ -62,8 +63,10 @@ MAX_TOKENS = 32
 
 @pytest.fixture(autouse=True)
 def in_process(monkeypatch):
-    """Engine core and worker in the test process (``selfspec_testing.engine``'s default)."""
+    """Engine core and worker in the test process (``selfspec_testing.engine``'s default), with
+    the draft forwards compiled (on the CPU they run eagerly unless asked: compat.compiles_drafts)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv(compat.COMPILE_DRAFTS_ENV, "1")
 
 
 @pytest.fixture(scope="module")
