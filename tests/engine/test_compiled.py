@@ -63,10 +63,10 @@ MAX_TOKENS = 32
 
 @pytest.fixture(autouse=True)
 def in_process(monkeypatch):
-    """Engine core and worker in the test process (``selfspec_testing.engine``'s default), with
-    the draft forwards compiled (on the CPU they run eagerly unless asked: compat.compiles_drafts)."""
+    """Engine core and worker in the test process (``selfspec_testing.engine``'s default), the
+    draft forwards compiled as the target (compat.compiles_drafts' default)."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv(compat.COMPILE_DRAFTS_ENV, "1")
+    monkeypatch.delenv(compat.COMPILE_DRAFTS_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")

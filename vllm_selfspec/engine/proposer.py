@@ -171,8 +171,8 @@ class SelfSpecProposer:
         self.runner = runner
 
     def load_model(self, target_model) -> None:  # called by the runner's load_model
-        # draft forwards run compiled where vLLM compiles the target (its default mode), but on
-        # the CPU, where they measured faster eager (compat.compiles_drafts)
+        # draft forwards run compiled where vLLM compiles the target (its default mode), unless
+        # the deployment asks for them eager (compat.compiles_drafts)
         compiled = compat.compiles_drafts(self.vllm_config)
         self.executor = PlanExecutor(
             target_model, compat.compile_options(self.vllm_config) if compiled else None
