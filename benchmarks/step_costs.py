@@ -162,7 +162,7 @@ def table(results: dict) -> str:
 
     for name in names:
         k = CONFIGS[name][1]
-        row("plain step" if k == 0 else f"verify step, k = {k}", name, "forward")
+        row("plain step" if k == 0 else f"verify step, k = {k} ({name})", name, "forward")
     for name in names:
         if CONFIGS[name][0] is not None:
             row(f"draft step, {name}", name, "draft")
@@ -190,12 +190,16 @@ def main() -> int:
     p.add_argument("--prompts", default="passages")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default="step-costs")
+    p.add_argument("--table", default=None, help="only print the table of a step_costs.json")
     p.add_argument(
         "--configs",
         default=",".join(CONFIGS),
         help=f"which of {', '.join(CONFIGS)} (vanilla and the three plans make the table's rows)",
     )
     args = p.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
 
     from vllm_selfspec.models import resolve_model
     from vllm_selfspec.prompts import load_prompts
