@@ -8,7 +8,8 @@ skipped this is bit-identical to the model's own decoder-layer forward (the text
 (``compat.model_layout``: Llama/Mistral/Qwen, Gemma 2/3). Must run inside vLLM's forward
 context (attention finds its KV cache and metadata there).
 
-Compiled (``PlanExecutor(model, compile_options=...)``, in vLLM's default mode): each decoder
+Compiled (``PlanExecutor(model, compile_options=...)``, in vLLM's default mode, unless
+``VLLM_SELFSPEC_COMPILE_DRAFTS=0``: ``compat.compiles_drafts``): each decoder
 layer, and each attention or MLP sub-layer, runs through one ``torch.compile``d function shared
 by every layer (*regional* compilation: a layer's weights are its inputs, and vLLM's attention op
 takes its layer's name as an input, not a constant), so a draft of any depth, plan, exit walk or
