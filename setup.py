@@ -14,7 +14,7 @@ setup(
     packages=find_packages(include=["vllm_selfspec", "vllm_selfspec.*"])
     + ["vllm_selfspec.kernels"],
     package_dir={"vllm_selfspec.kernels": "triton_kernels"},
-    package_data={"vllm_selfspec": ["data/*.jsonl"]},
+    package_data={"vllm_selfspec.tools": ["data/*.jsonl"]},
     install_requires=[
         "numpy",
         "tqdm",

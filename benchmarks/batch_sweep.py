@@ -30,7 +30,7 @@ def run(args) -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "vllm_selfspec.bench",
+                "vllm_selfspec.tools.bench",
                 "--methods",
                 args.methods,
                 "--prompts",

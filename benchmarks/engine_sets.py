@@ -166,7 +166,14 @@ def main() -> int:
             target = out / f"set{i}"
             if (target / "results.json").is_file():
                 continue
-            cmd = [sys.executable, "-m", "vllm_selfspec.bench", *bench_args, "--out", str(target)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm_selfspec.tools.bench",
+                *bench_args,
+                "--out",
+                str(target),
+            ]
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
     paths = sorted(out.glob("set*/results.json"), key=lambda q: int(q.parent.name[3:]))

@@ -60,7 +60,7 @@ def _generate(d: Path, n_general: int, n_code: int, max_tokens: int) -> None:
 
     from vllm_selfspec.heads.corpus import general_requests, stdlib_functions
     from vllm_selfspec.models import model_dir
-    from vllm_selfspec.prompts import load_prompts, render_chat
+    from vllm_selfspec.tools.prompts import load_prompts, render_chat
 
     path = str(model_dir(MODEL))
     tok = AutoTokenizer.from_pretrained(path)

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_selfspec.loadtest import cli_args, engine_kw, greedy_references, run_load
-from vllm_selfspec.serving import Server, parse_metrics
+from vllm_selfspec.tools.loadtest import cli_args, engine_kw, greedy_references, run_load
+from vllm_selfspec.tools.serving import Server, parse_metrics
 
 
 def main() -> int:

@@ -25,7 +25,7 @@ def greedy_outputs(model: str, prompt_set: str, num: int, max_tokens: int):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_selfspec.prompts import load_prompts
+    from vllm_selfspec.tools.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)

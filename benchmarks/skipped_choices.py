@@ -50,9 +50,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_selfspec import forget_outputs
-    from vllm_selfspec.bench import engine_args
     from vllm_selfspec.models import resolve_model
-    from vllm_selfspec.prompts import load_prompts
+    from vllm_selfspec.tools.bench import engine_args
+    from vllm_selfspec.tools.prompts import load_prompts
 
     model = resolve_model(None)
     prompts = load_prompts(args.prompts, args.num_prompts, model)

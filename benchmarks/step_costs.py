@@ -117,7 +117,7 @@ def _median_ms(xs: list[float]) -> float | None:
 def measure(model: str, name: str, spec, k: int, eager: bool, prompts, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_selfspec.bench import engine_args
+    from vllm_selfspec.tools.bench import engine_args
 
     t0 = time.perf_counter()
     llm = LLM(model=model, max_num_seqs=8, speculative_config=spec, **engine_args(eager))
@@ -202,7 +202,7 @@ def main() -> int:
         return 0
 
     from vllm_selfspec.models import resolve_model
-    from vllm_selfspec.prompts import load_prompts
+    from vllm_selfspec.tools.prompts import load_prompts
 
     model = resolve_model(args.model)
     prompts = load_prompts(args.prompts, 8, model)

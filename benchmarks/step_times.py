@@ -95,9 +95,9 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_selfspec.bench import engine_args
     from vllm_selfspec.models import resolve_model
-    from vllm_selfspec.prompts import load_prompts
+    from vllm_selfspec.tools.bench import engine_args
+    from vllm_selfspec.tools.prompts import load_prompts
 
     model = resolve_model(args.model)
     cfg = None if args.config == "none" else json.loads(args.config)

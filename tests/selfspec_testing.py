@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from vllm_selfspec import compat
-from vllm_selfspec.bench import engine_args
+from vllm_selfspec.tools.bench import engine_args
 
 #: the engine settings every parity comparison shares (vanilla and self-spec alike): the bench's,
 #: with a 1 GiB KV cache (sized in bytes, so test engines start on any machine the README's

@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from . import bench
-from .demo import run_demo
 from .models import EMBEDDED_NAME, MODELS, prepare_model, resolve_model
+from .tools import bench
+from .tools.demo import run_demo
 
 _MODEL_HELP = f"HF checkpoint path or a model name ({', '.join(MODELS)}; default: {EMBEDDED_NAME})"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from vllm_selfspec import config
-from vllm_selfspec.loadtest import cli_args, engine_kw
-from vllm_selfspec.serving import Server
+from vllm_selfspec.tools.loadtest import cli_args, engine_kw
+from vllm_selfspec.tools.serving import Server
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -54,7 +54,7 @@ def served(model_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def vanilla_refs(model_path):
     from selfspec_testing import engine
-    from vllm_selfspec.loadtest import greedy_references
+    from vllm_selfspec.tools.loadtest import greedy_references
 
     with engine(model_path, **ENGINE_KW) as llm:
         return greedy_references(llm)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from vllm_selfspec.loadtest import run_load
-from vllm_selfspec.serving import parse_metrics
+from vllm_selfspec.tools.loadtest import run_load
+from vllm_selfspec.tools.serving import parse_metrics
 
 pytestmark = pytest.mark.engine
 DURATION_S, CONCURRENCY, ABORT_PROB = 50, 32, 0.25

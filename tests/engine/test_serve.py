@@ -10,8 +10,8 @@ import urllib.error
 
 import pytest
 
-from vllm_selfspec.loadtest import PROMPTS
-from vllm_selfspec.serving import parse_metrics
+from vllm_selfspec.tools.loadtest import PROMPTS
+from vllm_selfspec.tools.serving import parse_metrics
 
 pytestmark = pytest.mark.engine
 LAB = '{method="layerskip",model_name="smollm2"}'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_selfspec.bench import method_configs
+from vllm_selfspec.tools.bench import method_configs
 
 
 @pytest.mark.parametrize("layers,exit_layer", [(30, 28), (18, 16), (2, 1)])
@@ -43,7 +43,7 @@ def test_vllm_methods_run_as_peers():
 
 def test_a_label_runs_in_its_own_mode():
     """An eager vanilla beside compiled engines (or the reverse), in the same run."""
-    from vllm_selfspec.bench import split_engine
+    from vllm_selfspec.tools.bench import split_engine
 
     configs = method_configs(
         "vanilla-eager",
@@ -60,7 +60,7 @@ def test_each_repeat_empties_suffix_decodings_global_tree():
     would draft the previous repeat's outputs (95% acceptance), which no real workload offers."""
     from types import SimpleNamespace
 
-    from vllm_selfspec.bench import forget_cross_request_memory
+    from vllm_selfspec.tools.bench import forget_cross_request_memory
 
     class Cache:  # arctic_inference's SuffixDecodingCache, as vLLM's proposer holds it
         def __init__(self, max_tree_depth, max_cached_requests):

@@ -1,4 +1,4 @@
-"""The bench's handle on a method's worker process (vllm_selfspec/bench.py, ``_Engine``)."""
+"""The bench's handle on a method's worker process (vllm_selfspec/tools/bench.py, ``_Engine``)."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from vllm_selfspec.bench import _Engine
+from vllm_selfspec.tools.bench import _Engine
 
 # a worker that forks a long-lived child (as vLLM forks its engine core) and then dies: the
 # child holds the answer pipe's write end, so the pipe never reaches end-of-file
@@ -48,7 +48,7 @@ def test_a_worker_that_dies_is_reported_even_if_its_child_holds_the_pipe(tmp_pat
 def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monkeypatch):
     """A cost model that learnt its prices while the other engines' warm-ups competed for the
     cores carried them into the timed runs (docs/benchmarks.md, "Step costs by shape")."""
-    from vllm_selfspec import bench
+    from vllm_selfspec.tools import bench
 
     calls = []
 
@@ -92,7 +92,7 @@ def test_full_batch_decode_counts_decode_steps_while_the_batch_is_full():
     """Decode throughput at a standing concurrency: a closed batch's tail (its last requests
     decoding in a thinning batch) and the prefill steps are left out; a run whose requests keep
     in lockstep counts whole but for its prefills."""
-    from vllm_selfspec.bench import full_batch_decode
+    from vllm_selfspec.tools.bench import full_batch_decode
 
     # 8 requests at batch 4 in lockstep: prefilled at steps 1 and 11, finished at 10 and 20
     lockstep = [
@@ -140,7 +140,7 @@ def _fake_engines(bench, monkeypatch, run) -> None:
 def test_full_batch_speedups_are_same_repeat_ratios_and_repeats_rotate_the_order(
     tmp_path, monkeypatch
 ):
-    from vllm_selfspec import bench
+    from vllm_selfspec.tools import bench
 
     # tokens/s (whole run, full batch): "a" loses in its closed tail what it gains at full batch
     speed = {"vanilla": (10.0, 10.0), "a": (9.0, 12.0)}
@@ -174,7 +174,7 @@ def test_each_slice_is_a_paired_ratio_and_the_summary_gives_their_interval(tmp_p
     """Slice by slice, the method's tokens/s over vanilla's on the same slice (one repeat, two
     slices: 1.25 and 0.8 here, where the repeat's ratio over both slices is 1.0); the summary
     gives their median and a bootstrap interval of it, and the table shows them."""
-    from vllm_selfspec import bench
+    from vllm_selfspec.tools import bench
 
     def run(name, start, stop, fresh):
         wall = {("vanilla", 0): 1.0, ("a", 0): 0.8, ("vanilla", 4): 0.8, ("a", 4): 1.0}
@@ -207,7 +207,7 @@ def test_each_slice_is_a_paired_ratio_and_the_summary_gives_their_interval(tmp_p
 
 
 def test_the_median_interval_is_seeded_and_narrows_with_more_slices():
-    from vllm_selfspec.bench import median_interval
+    from vllm_selfspec.tools.bench import median_interval
 
     assert median_interval([0.98, 1.02, 1.00, 1.04]) == pytest.approx((0.99, 1.03))  # docstring
     assert median_interval([0.97]) == (0.97, 0.97)
@@ -221,7 +221,7 @@ def test_the_median_interval_is_seeded_and_narrows_with_more_slices():
 def test_summary_gives_engine_steps_against_vanillas():
     """A closed batch gains only where drafts remove engine steps: the summary and its table
     give each method's steps per repeat and their ratio to vanilla's."""
-    from vllm_selfspec.bench import markdown_table, summarize
+    from vllm_selfspec.tools.bench import markdown_table, summarize
 
     counters = {"drafts": 4, "draft_tokens": 8, "accepted_tokens": 4}
 
@@ -243,7 +243,7 @@ def test_summary_gives_engine_steps_against_vanillas():
 
 
 def test_slices_are_twice_the_batch_unless_given():
-    from vllm_selfspec.bench import chunks
+    from vllm_selfspec.tools.bench import chunks
 
     assert chunks(20, 4) == [(0, 8), (8, 16), (16, 20)]
     assert chunks(20, 4, 20) == [(0, 20)]  # one slice: a standing queue until the last wave
@@ -251,7 +251,7 @@ def test_slices_are_twice_the_batch_unless_given():
 
 
 def test_every_engine_runs_the_slices_of_the_given_size(tmp_path, monkeypatch):
-    from vllm_selfspec import bench
+    from vllm_selfspec.tools import bench
 
     ran = []
 

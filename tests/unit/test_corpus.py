@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_selfspec.heads.corpus import general_requests, stdlib_functions
-from vllm_selfspec.prompts import CHAT_FILE, PASSAGES_FILE, _humaneval
+from vllm_selfspec.tools.prompts import CHAT_FILE, PASSAGES_FILE, _humaneval
 
 
 def _user_texts(path) -> list[str]:

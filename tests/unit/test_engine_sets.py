@@ -28,7 +28,7 @@ def _set(speedups: dict[str, list[float]], parity: float = 1.0, step: float | No
         if step is not None:
             m["selfspec_stats"] = {"steps": 100, "time_s": {"verify": step * 100 / 1000}}
         methods[name] = m
-    return {"methods": methods, "settings": {"command_line": "python -m vllm_selfspec.bench"}}
+    return {"methods": methods, "settings": {"command_line": "python -m vllm_selfspec.tools.bench"}}
 
 
 def test_the_docstring_example_holds():

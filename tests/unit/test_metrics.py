@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from vllm_selfspec.engine.stats import EngineStats
 from vllm_selfspec.metrics import SelfSpecCollector, families
 from vllm_selfspec.plans import LayerPlan
-from vllm_selfspec.serving import parse_metrics
+from vllm_selfspec.tools.serving import parse_metrics
 
 LABELS = {"model_name": "m", "method": "layerskip"}
 L = 6

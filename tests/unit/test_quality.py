@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_selfspec import quality as q
+from vllm_selfspec.tools import quality as q
 
 
 def test_token_agreement_counts_reference_positions():

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ..prompts import load_prompts, render_chat
+from ..tools.prompts import load_prompts, render_chat
 from .corpus import general_requests, stdlib_functions
 
 #: temperatures whose log-normaliser is stored (1: AdaDecode KL and CE; 2: Cascade distillation)

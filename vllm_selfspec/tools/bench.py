@@ -2,7 +2,7 @@
 
     vllm-selfspec bench --methods vanilla,ngram,layerskip --prompts humaneval --num-prompts 16 \
         --max-tokens 128 --batch-size 8 --repeats 3 --out bench-out
-    python -m vllm_selfspec.bench ...   (same arguments)
+    python -m vllm_selfspec.tools.bench ...   (same arguments)
 
 Each method runs in its own subprocess and engine, with greedy sampling. The methods run in
 groups of ``--group-size``, each group live at once beside its own vanilla engine, and their timed
@@ -41,8 +41,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import forget_outputs, get_stats, quality
-from .models import resolve_model
+from .. import forget_outputs, get_stats
+from ..models import resolve_model
+from . import quality
 from .prompts import load_prompts
 
 #: method name -> speculative config (None: no speculation).
@@ -168,7 +169,7 @@ def method_configs(
 ) -> dict[str, dict | None]:
     """Ordered {method: speculative config} for a ``num_layers``-layer model, vanilla first,
     overrides merged in."""
-    from .config import methods as selfspec_methods
+    from ..config import methods as selfspec_methods
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
     try:
@@ -231,7 +232,7 @@ def split_engine(cfg: dict | None) -> tuple[dict | None, dict]:
 
 def _vllm_methods() -> list[str]:
     """vLLM's own speculative methods, its "custom_class" hook aside (the plugin's)."""
-    from .compat import vllm_spec_methods
+    from ..compat import vllm_spec_methods
 
     return [m for m in vllm_spec_methods() if m != "custom_class"]
 
@@ -240,7 +241,7 @@ def forget_cross_request_memory(llm, cfg: dict | None) -> None:
     """Empty what a method drafts from across requests, before a repeat of the same prompts
     (which no real workload offers): selfspec's shared lookup index, suffix decoding's global
     tree. Every method starts each repeat alike."""
-    from .config import methods as selfspec_methods
+    from ..config import methods as selfspec_methods
 
     method = (cfg or {}).get("method")
     if method in selfspec_methods():
@@ -261,9 +262,9 @@ def _new_suffix_cache(worker) -> None:
 
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
-    from .compat import model_info_from_hf
-    from .config import SelfSpecConfig
-    from .config import methods as selfspec_methods
+    from ..compat import model_info_from_hf
+    from ..config import SelfSpecConfig
+    from ..config import methods as selfspec_methods
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():
@@ -291,7 +292,7 @@ def _worker(spec_path: str) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from .config import methods as selfspec_methods
+    from ..config import methods as selfspec_methods
 
     (cfg, engine), prompts = split_engine(spec["config"]), spec["prompts"]
     selfspec = cfg is not None and cfg.get("method") in selfspec_methods()
@@ -441,7 +442,7 @@ class _Engine:
         )
         self._log = open(log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_selfspec.bench", "--_worker", str(spec_path)],
+            [sys.executable, "-m", "vllm_selfspec.tools.bench", "--_worker", str(spec_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             pass_fds=(cmd_r, res_w),
@@ -631,7 +632,7 @@ def summarize(
 ) -> dict:
     """One method's figures; ``ratios``: its tokens/s over vanilla's, per interleaved round (the
     speedup is their median; without them, the ratio of the two medians)."""
-    from .config import methods as selfspec_methods
+    from ..config import methods as selfspec_methods
 
     cfg, engine = split_engine(cfg)
     tps_runs = [r["tokens"] / r["wall_s"] for r in raw["runs"]]
@@ -822,7 +823,7 @@ def plot_speedup(methods: dict[str, dict], path: Path) -> None:
 
 def _command_line() -> str:
     argv0 = (
-        "python -m vllm_selfspec.bench"
+        "python -m vllm_selfspec.tools.bench"
         if sys.argv[0].endswith("bench.py")
         else Path(sys.argv[0]).name
     )
@@ -909,7 +910,7 @@ def main(args: argparse.Namespace) -> int:
         f"{settings['engine_omp_cores']}), greedy"
     )
     if any((c or {}).get("method") == "auto" for c in configs.values()):
-        from .config import auto_note
+        from ..config import auto_note
 
         settings_line += f"; {auto_note(model)}"
     (out / "results.md").write_text(
@@ -950,7 +951,7 @@ def _cli(argv: list[str]) -> int:
             sys.stderr.flush()
             os._exit(1)
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_selfspec.bench",
+        prog="python -m vllm_selfspec.tools.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -14,8 +14,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from ..models import resolve_model
 from .bench import mode_name, run_interleaved
-from .models import resolve_model
 from .prompts import load_prompts
 
 #: the default demo method: what a user should turn on (context lookup + the strongest
@@ -43,7 +43,7 @@ def run_demo(
         "eager": eager,
     }
     if cfg.get("method") == "auto":
-        from .config import auto_note
+        from ..config import auto_note
 
         print(auto_note(model), flush=True)
     print(f"running vanilla vLLM and {cfg}, {mode_name(eager)} ...", flush=True)
