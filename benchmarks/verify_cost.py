@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,17 +36,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from vllm_selfspec import compat
+    # the builders of vLLM's verification inputs the tests use (tests/vllm_testing.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from vllm_selfspec.engine.greedy_verify import GreedyVerification
     from vllm_selfspec.engine.stats import EngineStats
+    from vllm_testing import cpu_rejection_sampler, greedy_sampling_metadata, spec_decode_metadata
 
-    vllm_rs = compat.cpu_rejection_sampler()
+    vllm_rs = cpu_rejection_sampler()
     fast = GreedyVerification(vllm_rs, EngineStats())
     plain = vllm_rs.sampler
     print(f"{'requests x drafts':>18} {'plain':>7} {'vLLM':>7} {'one argmax':>10}  (ms, median)")
     for reqs, k in ((1, 1), (1, 6), (8, 1), (8, 4), (8, 6), (16, 4)):
         drafts = [[7] * k for _ in range(reqs)]
-        md, meta = compat.spec_decode_metadata(drafts), compat.greedy_sampling_metadata(reqs)
+        md, meta = spec_decode_metadata(drafts), greedy_sampling_metadata(reqs)
         logits = torch.randn(reqs * (k + 1), args.vocab)
         rows = torch.randn(reqs, args.vocab)
         t_plain = _median_ms(lambda x: plain(x, meta), rows, args.repeats)

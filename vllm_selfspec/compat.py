@@ -32,7 +32,7 @@ V1 ``GPUModelRunner`` / ``CPUModelRunner`` methods:      runner mixin (engine/wo
 ``set_forward_context(attn_md, cfg, num_tokens,         run the target's layers on draft tokens over
   slot_mapping=...)``                                   the target's paged KV cache
 decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/executor.py,
-  layers, norm}``, ``layer.{input_layernorm,            model_layout below)
+  layers, norm}``, ``layer.{input_layernorm,            engine/layouts.py)
   self_attn, post_attention_layernorm, mlp}``
   (+ Gemma 2/3: ``pre_feedforward_layernorm``,
   ``post_feedforward_layernorm``; ``GemmaRMSNorm``
@@ -40,7 +40,7 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   .layer_name``, ``compute_logits``
 ``SupportsEagle3.set_aux_hidden_state_layers``          hidden-state capture in verification
   (Llama's, through ``EagleModelMixin``); the runner    (Gemma, which has no such hook: an eager
-  unpacks ``(hidden, aux)`` when                        forward of the layout's, GemmaLayout)
+  unpacks ``(hidden, aux)`` when                        forward of layouts.GemmaLayout)
   ``use_aux_hidden_state_outputs``
 ``get_tp_group().broadcast_object``                     rank 0's step costs, controller choices,
                                                         feedback flags and KnapSpec latency model
@@ -161,7 +161,7 @@ import typing
 
 import torch
 
-from .policies import ModelInfo
+from .model_info import ModelInfo, model_info_from_hf
 
 # vLLM itself is imported inside the functions below, never at module level: the plugin entry
 # point imports this module while vLLM is still loading its plugins, and check_vllm_version()
@@ -350,80 +350,6 @@ def greedy_verification_internals():
     )
 
 
-def spec_decode_metadata(drafts: list[list[int]]):
-    """vLLM's ``SpecDecodeMetadata`` of a step that verifies ``drafts`` (one list per request),
-    on CPU, for tests and benchmarks (vLLM's ``make_dummy`` leaves the row indices at 0): request
-    i's logits rows are its draft positions, then its bonus position."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    counts = [len(d) for d in drafts]
-    starts = [sum(counts[:i]) + i for i in range(len(counts))]
-    i32 = dict(dtype=torch.int32)
-    return SpecDecodeMetadata(
-        draft_token_ids=torch.tensor([t for d in drafts for t in d], **i32),
-        num_draft_tokens=counts,
-        cu_num_draft_tokens=torch.tensor(counts, **i32).cumsum(0, dtype=torch.int32),
-        cu_num_sampled_tokens=torch.tensor([n + 1 for n in counts], **i32).cumsum(
-            0, dtype=torch.int32
-        ),
-        target_logits_indices=torch.tensor(
-            [s + j for s, n in zip(starts, counts) for j in range(n)], **i32
-        ),
-        bonus_logits_indices=torch.tensor([s + n for s, n in zip(starts, counts)], **i32),
-        logits_indices=torch.arange(sum(counts) + len(counts), **i32),
-    )
-
-
-def greedy_sampling_metadata(num_reqs: int):
-    """vLLM's ``SamplingMetadata`` of ``num_reqs`` greedy requests with no penalties, logits
-    processors or logprobs, on CPU, for tests and benchmarks."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    return SamplingMetadata(
-        temperature=None,
-        all_greedy=True,
-        all_random=False,
-        top_p=None,
-        top_k=None,
-        generators={},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(num_reqs),
-        presence_penalties=torch.zeros(num_reqs),
-        repetition_penalties=torch.ones(num_reqs),
-        output_token_ids=[[] for _ in range(num_reqs)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-        spec_token_ids=[[] for _ in range(num_reqs)],
-    )
-
-
-def cpu_rejection_sampler():
-    """vLLM's ``RejectionSampler`` over its ``Sampler``, with the CPU build's C++ stand-ins for
-    its Triton kernels registered as an engine registers them (tests and benchmarks)."""
-    from vllm.platforms import current_platform
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.sample.sampler import Sampler
-
-    if current_platform.is_cpu():
-        current_platform.register_triton_kernel_overrides()
-    return RejectionSampler(Sampler())
-
-
-def logit_bias_processors(biases: dict[int, dict[int, float]]):
-    """vLLM's ``LogitsProcessors`` holding one built-in logit_bias processor with ``biases``
-    (batch row -> token -> bias), for tests."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
-
-    proc = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
-    proc.biases = biases
-    return LogitsProcessors([proc])
-
-
 def argmax_is_plain(sampling_metadata, sampler) -> bool:
     """True when every request of the step is greedy and nothing vLLM's rejection sampler
     (``sampler``) or sampler would apply can move a row's argmax or needs its logits: no
@@ -511,38 +437,11 @@ def vllm_spec_methods() -> list[str]:
     return sorted(set(out))
 
 
-def model_info(vllm_config):
+def model_info(vllm_config) -> ModelInfo:
     """ModelInfo of the target from a VllmConfig."""
     return model_info_from_hf(
         vllm_config.model_config.hf_text_config, vllm_config.model_config.hf_config
     )
-
-
-def model_info_from_hf(text_config, config=None):
-    """ModelInfo from an HF config (``config`` holds ``architectures`` when it is not the text
-    config itself, as for multimodal wrappers)."""
-    archs = getattr(config or text_config, "architectures", None) or ["?"]
-    return ModelInfo(
-        num_layers=text_config.num_hidden_layers,
-        hidden_size=text_config.hidden_size,
-        vocab_size=text_config.vocab_size,
-        architecture=archs[0],
-        lm_head_layers=lm_head_layers(text_config),
-    )
-
-
-def lm_head_layers(hf_config) -> float:
-    """LM-head weights / decoder-layer weights of a Llama-family config (0 for other layouts,
-    which the config check refuses anyway)."""
-    if not hasattr(hf_config, "intermediate_size"):
-        return 0.0
-    d = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or d // heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    attn = d * head_dim * (heads + 2 * kv) + heads * head_dim * d
-    mlp = 3 * d * hf_config.intermediate_size
-    return hf_config.vocab_size * d / (attn + mlp)
 
 
 def linear(weight):
@@ -598,162 +497,9 @@ def selfspec_options(vllm_config) -> dict | None:
     return extra.get("selfspec")
 
 
-def model_layout(model) -> LlamaLayout:
-    """The layout adapter of a loaded vLLM model: ``GemmaLayout`` for decoder layers with a norm
-    after each sub-layer (Gemma 2/3), else ``LlamaLayout`` (Llama, Mistral, Qwen2, Qwen3)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is not None and len(layers) and hasattr(layers[0], "pre_feedforward_layernorm"):
-        return GemmaLayout(model)
-    return LlamaLayout(model)
+def tp_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t`` over the tensor-parallel ranks (``t`` itself without TP)."""
+    from vllm.distributed import get_tp_group
 
-
-class LlamaLayout:
-    """Access to the pieces of a vLLM model in the Llama decoder-layer form, for the partial
-    forward: Llama, Mistral, Qwen2 and Qwen3 (``config.SUPPORTED_ARCHITECTURES``), whose
-    differences (attention biases, q/k norms) stay inside ``self_attn``.
-
-    A decoder layer is two sub-layers in vLLM's fused (pending, residual) form; each is
-    ``x, res = <norm>(pending, res)`` then ``pending = <block>(x)``. The methods below name a
-    family's norms and blocks; ``engine/executor.py`` runs them."""
-
-    #: the decoder-layer modules this layout reads
-    LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-    def __init__(self, model) -> None:
-        inner = getattr(model, "model", None)
-        need = ("embed_input_ids", "layers", "norm")
-        if (
-            inner is None
-            or not all(hasattr(inner, n) for n in need)
-            or not hasattr(model, "compute_logits")
-        ):
-            raise RuntimeError(
-                f"selfspec cannot split {type(model).__name__}: expected a vLLM Llama-family "
-                f"model with .model.embed_input_ids/.layers/.norm and .compute_logits"
-            )
-        for i, layer in enumerate(inner.layers):
-            for n in self.LAYER_PARTS:
-                if not hasattr(layer, n):
-                    raise RuntimeError(
-                        f"selfspec: decoder layer {i} of {type(model).__name__} "
-                        f"has no {n}; unsupported layer layout"
-                    )
-            if getattr(layer, "ada_rms_norm_t_cond", None) is not None:  # Mistral's audio models
-                raise RuntimeError(
-                    f"selfspec: decoder layer {i} of {type(model).__name__} conditions its MLP "
-                    f"input (ada_rms_norm_t_cond), which the partial forward does not run"
-                )
-        if getattr(inner, "start_layer", 0) != 0 or getattr(
-            inner, "end_layer", len(inner.layers)
-        ) != len(inner.layers):
-            raise RuntimeError(
-                "selfspec needs every decoder layer on this rank "
-                "(pipeline parallelism is not supported)"
-            )
-        self.model = model
-        self.embed = inner.embed_input_ids  # token ids -> the residual stream's first rows
-        self.layers = inner.layers
-        self.norm = inner.norm
-        self.compute_logits = model.compute_logits
-        self.embed_weight = inner.embed_tokens.weight  # a vocab shard under TP (rank 0: rows 0..)
-        self.attn_layer_names = [layer.self_attn.attn.layer_name for layer in inner.layers]
-        proc = model.logits_processor
-        self.logit_scale, self.logit_soft_cap = proc.scale, proc.soft_cap
-
-    # ---- the two sub-layers of a decoder layer ----------------------------------------------
-    def attn_norm(self, layer):
-        """The norm in front of attention (fused add + norm with a residual)."""
-        return layer.input_layernorm
-
-    def attn(self, layer, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Attention's contribution to the residual stream, from its normed input."""
-        return layer.self_attn(positions=positions, hidden_states=x)
-
-    def mlp_norm(self, layer):
-        """The norm in front of the MLP."""
-        return layer.post_attention_layernorm
-
-    def mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """The MLP's contribution to the residual stream, from its normed input."""
-        return layer.mlp(x)
-
-    def final_norm_scale(self) -> torch.Tensor:
-        """The final RMSNorm's multiplier (the fused LM-head argmax applies it)."""
-        return self.norm.weight
-
-    # ---- the rest ---------------------------------------------------------------------------
-    def lm_head_rows(self, ids):
-        """Rows ``ids`` of the LM-head weight [len(ids), d], replicated on every TP rank (vLLM's
-        head is sharded by vocabulary: each rank fills the rows it owns, then an all-reduce)."""
-        from vllm.distributed import get_tp_group
-
-        head = self.model.lm_head
-        w = head.weight
-        start = head.shard_indices.org_vocab_start_index
-        end = head.shard_indices.org_vocab_end_index
-        ids = ids.to(w.device)
-        mine = (ids >= start) & (ids < end)
-        rows = torch.zeros(len(ids), w.shape[1], dtype=w.dtype, device=w.device)
-        rows[mine] = w[ids[mine] - start]
-        group = get_tp_group()
-        return rows if group.world_size == 1 else group.all_reduce(rows)
-
-    def set_capture_layers(self, layers: tuple[int, ...], run_layer=None) -> None:
-        """Make the model's forward also return the residual stream after each of ``layers``
-        layers (vLLM's EAGLE-3 hook, ``SupportsEagle3.set_aux_hidden_state_layers``, whose
-        outputs are graph outputs: the model stays compiled). ``run_layer``: see GemmaLayout."""
-        self.model.set_aux_hidden_state_layers(tuple(layers))
-
-
-class GemmaLayout(LlamaLayout):
-    """Gemma 2 and Gemma 3: each sub-layer's output passes its own norm before it joins the
-    residual stream (``post_attention_layernorm``, ``post_feedforward_layernorm``), the MLP's
-    input norm is ``pre_feedforward_layernorm``, RMSNorms scale by ``1 + weight``, and the
-    embeddings are scaled by sqrt(hidden) (inside ``embed_input_ids``). Attention soft-capping
-    (Gemma 2) stays inside ``self_attn``; the final logit soft cap in ``logits_processor``.
-    vLLM's Gemma models have no EAGLE-3 hook: ``set_capture_layers`` gives the model a forward
-    that collects the residual stream itself (the same operations, in the same order), each
-    layer through ``run_layer(layer, positions, h, residual)`` (the draft forwards' compiled
-    layer function in vLLM's compiled mode: the loop runs outside vLLM's graph, its layers
-    compiled), or the layer's own call."""
-
-    LAYER_PARTS = (
-        *LlamaLayout.LAYER_PARTS,
-        "pre_feedforward_layernorm",
-        "post_feedforward_layernorm",
-    )
-
-    def attn(self, layer, positions, x):
-        return layer.post_attention_layernorm(layer.self_attn(positions=positions, hidden_states=x))
-
-    def mlp_norm(self, layer):
-        return layer.pre_feedforward_layernorm
-
-    def mlp(self, layer, x):
-        return layer.post_feedforward_layernorm(layer.mlp(x))
-
-    def final_norm_scale(self) -> torch.Tensor:
-        return 1.0 + self.norm.weight.float()
-
-    def set_capture_layers(self, layers: tuple[int, ...], run_layer=None) -> None:
-        wanted = frozenset(layers)
-        model, inner = self.model, self.model.model
-
-        def forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
-            h = inputs_embeds if inputs_embeds is not None else inner.embed_input_ids(input_ids)
-            res, aux = None, []
-            if 0 in wanted:
-                aux.append(h)
-            for i, layer in enumerate(inner.layers):
-                if run_layer is None or kw:
-                    h, res = layer(positions, h, res, **kw)
-                else:  # the compiled function takes a residual stream (h + 0 == h)
-                    h, res = run_layer(
-                        layer, positions, h, torch.zeros_like(h) if res is None else res
-                    )
-                if i + 1 in wanted:
-                    aux.append(h + res)
-            return inner.norm(h, res)[0], aux
-
-        model.forward = forward  # nn.Module.__call__ finds the instance attribute first
+    group = get_tp_group()
+    return t if group.world_size == 1 else group.all_reduce(t)

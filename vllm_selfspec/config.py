@@ -32,7 +32,8 @@ from typing import Any
 from .heads.embedded import cached_heads
 from .heads.io import read_config as read_heads_config
 from .lookup import check_options as check_lookup
-from .policies import POLICIES, ModelInfo
+from .model_info import ModelInfo
+from .policies import POLICIES
 from .vocab import GENERATIONS_FILE, cached_generations, cached_vocab, default_vocab_dir
 from .vocab import read_config as read_vocab_config
 
@@ -61,7 +62,7 @@ def methods() -> list[str]:
     return [*POLICIES, AUTO]
 
 
-#: architectures whose decoder layers the engine knows how to split (``compat.model_layout``):
+#: architectures whose decoder layers the engine knows how to split (``engine.layouts.model_layout``):
 #: vLLM's Llama layer form (Qwen2's biased projections and Qwen3's q/k norms live inside
 #: attention) and Gemma 2/3's (a norm after each sub-layer); tests/engine/test_families.py
 SUPPORTED_ARCHITECTURES = (

@@ -1,9 +1,9 @@
 """Model families beside Llama, each for what it adds to the engine:
 
 * Qwen2 (biased q/k/v projections) and Qwen3 (RMSNorms on q and k) keep vLLM's Llama
-  decoder-layer form (``compat.LlamaLayout``);
+  decoder-layer form (``layouts.LlamaLayout``);
 * Mistral with a sliding window on every layer: one KV-cache group with a window;
-* Gemma 2 and 3 (``compat.GemmaLayout``): a norm after each sub-layer, scaled embeddings,
+* Gemma 2 and 3 (``layouts.GemmaLayout``): a norm after each sub-layer, scaled embeddings,
   sliding-window and full-attention layers interleaved, so vLLM keeps their KV in several
   KV-cache groups (``engine/kv_groups.py``); Gemma 2 soft-caps attention and final logits, and
   vLLM's Gemma models have no EAGLE-3 hook (DEL's capture goes through the layout's forward).

@@ -2,7 +2,7 @@
 weights; ``vllm-selfspec prepare-model --model gemma3-270m``, ``make model-gemma``).
 
 What it adds to the embedded model's parity tests (``test_parity.py``): Gemma 3's layer form
-(``compat.GemmaLayout``) and its KV cache in six KV-cache groups (five sliding-window layers, 512
+(``layouts.GemmaLayout``) and its KV cache in six KV-cache groups (five sliding-window layers, 512
 tokens, to each full-attention layer), on trained weights. Same settings as ``test_parity.py``:
 prefix caching on, chunked prefill with a 128-token budget (the long prompt spans several chunks),
 the prompts one at a time ("bs1") and all together ("bs8").

@@ -160,7 +160,7 @@ def test_tp2_greedy_parity(tiny_model, tp_env, vanilla, method, request):
 
 
 def test_tp2_on_gemma(tp_env, tmp_path):
-    """A family beside Llama under TP=2: Gemma 3's layer form (``compat.GemmaLayout``) and its
+    """A family beside Llama under TP=2: Gemma 3's layer form (``layouts.GemmaLayout``) and its
     KV cache in several KV-cache groups, each rank drafting over its own shards. LayerSkip's
     exit 2 names the model's own token (layers 2 and 3 pass through): every draft is accepted."""
     random = save_tiny_model(tmp_path / "random", VOCAB, "gemma3")

@@ -6,16 +6,21 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vllm_selfspec import compat
 from vllm_selfspec.engine.greedy_verify import GreedyVerification
 from vllm_selfspec.engine.stats import EngineStats
+from vllm_testing import (
+    cpu_rejection_sampler,
+    greedy_sampling_metadata,
+    logit_bias_processors,
+    spec_decode_metadata,
+)
 
 VOCAB = 1000
 
 
 @pytest.fixture(scope="module")
 def vllm_sampler():
-    return compat.cpu_rejection_sampler()
+    return cpu_rejection_sampler()
 
 
 def _step(rng: random.Random, num_reqs: int, max_drafts: int):
@@ -43,7 +48,7 @@ def _step(rng: random.Random, num_reqs: int, max_drafts: int):
                 ids.append(-1 if rng.random() < 0.2 else (best + rng.randint(1, VOCAB - 1)) % VOCAB)
         drafts.append(ids)
         row += n + 1
-    return compat.spec_decode_metadata(drafts), logits
+    return spec_decode_metadata(drafts), logits
 
 
 @pytest.mark.parametrize("num_reqs, max_drafts", [(1, 1), (1, 6), (3, 2), (8, 4), (9, 7), (16, 12)])
@@ -53,7 +58,7 @@ def test_greedy_verification_emits_vllms_tokens(vllm_sampler, num_reqs, max_draf
     fast = GreedyVerification(vllm_sampler, stats)
     for _ in range(20):
         metadata, logits = _step(rng, num_reqs, max_drafts)
-        md = compat.greedy_sampling_metadata(num_reqs)
+        md = greedy_sampling_metadata(num_reqs)
         want = vllm_sampler(metadata, None, logits.clone(), md).sampled_token_ids
         got = fast(metadata, None, logits.clone(), md)
         assert got.logprobs_tensors is None
@@ -63,7 +68,7 @@ def test_greedy_verification_emits_vllms_tokens(vllm_sampler, num_reqs, max_draf
 
 
 def test_the_example_of_the_module_docstring(vllm_sampler):
-    metadata = compat.spec_decode_metadata([[5, 7, 9], [4]])
+    metadata = spec_decode_metadata([[5, 7, 9], [4]])
     logits = torch.zeros(6, 10)
     for row, best in enumerate([5, 7, 2, 8, 4, 6]):
         logits[row, best] = 1.0
@@ -74,14 +79,14 @@ def test_the_example_of_the_module_docstring(vllm_sampler):
 def test_bf16_logits_take_their_float32_argmax(vllm_sampler):
     metadata, logits = _step(random.Random(3), 4, 3)
     logits = logits.bfloat16()
-    md = compat.greedy_sampling_metadata(4)
+    md = greedy_sampling_metadata(4)
     want = vllm_sampler(metadata, None, logits.clone(), md).sampled_token_ids
     got = GreedyVerification(vllm_sampler, EngineStats())(metadata, None, logits.clone(), md)
     assert torch.equal(got.sampled_token_ids, want)
 
 
 def _with_logit_bias(md, biases):
-    return replace(md, logitsprocs=compat.logit_bias_processors(biases))
+    return replace(md, logitsprocs=logit_bias_processors(biases))
 
 
 @pytest.mark.parametrize(
@@ -109,7 +114,7 @@ def test_what_may_move_an_argmax_goes_to_vllms_sampler(change):
 
     stats = EngineStats()
     fast = GreedyVerification(Recorder(), stats)
-    md = compat.greedy_sampling_metadata(2)
+    md = greedy_sampling_metadata(2)
     assert fast(None, None, None, change(md)) == "vllm's"
     assert len(calls) == 1 and stats.sampled_verifications == 1 and stats.greedy_verifications == 0
 
@@ -117,7 +122,7 @@ def test_what_may_move_an_argmax_goes_to_vllms_sampler(change):
 def test_idle_builtin_processors_keep_the_fast_path(vllm_sampler):
     metadata, logits = _step(random.Random(5), 3, 3)
     # a logit_bias processor that no request uses
-    md = _with_logit_bias(compat.greedy_sampling_metadata(3), {})
+    md = _with_logit_bias(greedy_sampling_metadata(3), {})
     stats = EngineStats()
     GreedyVerification(vllm_sampler, stats)(metadata, None, logits, md)
     assert stats.greedy_verifications == 1

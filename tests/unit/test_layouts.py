@@ -1,4 +1,4 @@
-"""The layout adapters (``compat.model_layout``) against vLLM's own decoder-layer forwards.
+"""The layout adapters (``engine.layouts.model_layout``) against vLLM's own decoder-layer forwards.
 
 The partial forward runs a decoder layer as its two sub-layers, each ``x, res = norm(pending,
 res)`` then ``pending = block(x)`` with the norms and blocks the family's layout names. For each
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_selfspec.compat import GemmaLayout, LlamaLayout, model_layout
 from vllm_selfspec.engine.executor import _norm
+from vllm_selfspec.engine.layouts import GemmaLayout, LlamaLayout, model_layout
 
 D = 16
 

@@ -78,7 +78,7 @@ class DraftContext:
     def __init__(self, proposer, runner, executor, shadow) -> None:
         vllm_config = proposer.vllm_config
         self.vllm_config = vllm_config
-        #: the target's facts (``models.ModelInfo``; the draft head's cost with draft_vocab_size)
+        #: the target's facts (``model_info.ModelInfo``; the draft head's cost with draft_vocab_size)
         self.info = proposer.info
         #: the method's policy, and its state per request id (created by the proposer)
         self.policy = proposer.policy

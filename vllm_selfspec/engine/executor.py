@@ -5,7 +5,7 @@ Sub-layers run in vLLM's fused (pending, residual) form: a decoder layer returns
 residual stream. Skipping a sub-layer leaves the pending delta for the next norm. With nothing
 skipped this is bit-identical to the model's own decoder-layer forward (the textbook
 ``x + f(norm(x))`` is not). The family's norms and blocks come from its layout adapter
-(``compat.model_layout``: Llama/Mistral/Qwen, Gemma 2/3). Must run inside vLLM's forward
+(``layouts.model_layout``: Llama/Mistral/Qwen, Gemma 2/3). Must run inside vLLM's forward
 context (attention finds its KV cache and metadata there).
 
 Compiled (``PlanExecutor(model, compile_options=...)``, in vLLM's default mode, unless
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import linear, model_layout
+from ..compat import linear
 from ..plans import LM_HEAD, LayerPlan
+from .layouts import model_layout
 
 
 def _norm(norm, h: torch.Tensor, res: torch.Tensor | None):

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from ..model_info import ModelInfo
 from .adadecode import AdaDecodePolicy
-from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .base import DraftDecision, Feedback, Policy
 from .cascade import CascadePolicy
 from .del_ import DELPolicy
 from .feature import FeaturePolicy
 from .knapspec import KnapSpecPolicy
 from .layerskip import LayerSkipPolicy
 
-#: method name -> policy class. Methods land here as their issues are resolved.
+#: method name -> policy class
 POLICIES: dict[str, type[Policy]] = {
     LayerSkipPolicy.name: LayerSkipPolicy,
     DELPolicy.name: DELPolicy,

@@ -23,33 +23,8 @@ from typing import Any
 
 import torch
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a policy may know about the target model."""
-
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    architecture: str
-    #: the LM head's weight count in decoder layers (V·d / weights per layer): what reading the
-    #: head costs a memory-bound step, in the unit of TPL's "loaded layers"
-    lm_head_layers: float = 0.0
-    #: the same for the draft's head (less with a reduced draft vocabulary); None: lm_head_layers
-    draft_head_layers: float | None = None
-
-    def check_built_for(self, base_model: dict[str, Any], what: str) -> None:
-        """Raise ValueError unless ``base_model`` (the sizes a head set or a draft vocabulary
-        records) are this model's; ``what`` begins the message, e.g. "the map in DIR was built"
-        -> "the map in DIR was built for a model with vocab_size=10, this model has 20"."""
-        for key in ("num_layers", "hidden_size", "vocab_size"):
-            if base_model[key] != getattr(self, key):
-                raise ValueError(
-                    f"{what} for a model with {key}={base_model[key]}, "
-                    f"this model has {getattr(self, key)}"
-                )
 
 
 @dataclass

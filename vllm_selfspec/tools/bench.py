@@ -262,9 +262,9 @@ def _new_suffix_cache(worker) -> None:
 
 def check_selfspec_configs(configs: dict[str, dict | None], hf_config) -> None:
     """Fail before any engine starts on a selfspec config the model cannot serve."""
-    from ..compat import model_info_from_hf
     from ..config import SelfSpecConfig
     from ..config import methods as selfspec_methods
+    from ..model_info import model_info_from_hf
 
     info = model_info_from_hf(hf_config)
     for cfg in configs.values():
