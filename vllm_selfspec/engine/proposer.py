@@ -85,6 +85,27 @@ def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) ->
     return point.scatter_(1, ids.clamp(min=0).long()[:, None], valid.to(like.dtype))
 
 
+@dataclasses.dataclass
+class _Step:
+    """What the phases of one decode step share (``SelfSpecProposer.propose_selfspec``)."""
+
+    runner: Any
+    ib: Any  # runner.input_batch
+    #: per batch row, the tokens the verification sampled (empty: a prefill chunk, discarded)
+    sampled: list[list[int]]
+    #: request id -> the draft tokens verified this step (-1: vLLM's placeholders)
+    scheduled: dict[str, list[int]]
+    sampling_metadata: Any
+    #: per batch row, the tokens it drafts this step (the result)
+    drafts: list[list[int]]
+    t_start: float
+    decode_step: bool  # no prefill chunk: the target forward is a step-cost sample
+    target_seconds: float  # the target forward's time, from the runner's execute_model
+    #: (batch row, request id, policy state) of the rows that sampled a token
+    entries: list[tuple[int, str, Any]] = dataclasses.field(default_factory=list)
+    t_look: float = 0.0  # when the choice of drafts began
+
+
 class SelfSpecProposer:
     """Instantiated by vLLM (``speculative_config.model``) in every worker process."""
 
@@ -301,14 +322,53 @@ class SelfSpecProposer:
         common_attn_metadata,
         sample_hidden_states=None,
     ) -> list[list[int]]:
-        ib = runner.input_batch
+        """One decode step's drafts (one list per batch row), after the target verified the last
+        step's drafts. The runner mixin calls it where vLLM would call its own drafter.
+
+        The phases, in order (each a method below):
+
+        * stats (``_start_step``): count the step; a decode step's target forward (timed from
+          the runner's ``execute_model``) is a sample of the step-cost model; under TP every
+          rank takes rank 0's costs. Requests seen for the first time get their states.
+        * due (``_due``): what this step is due for under the goodput controller: costly
+          feedback, a plan search, a choice of drafts (without it: all three).
+        * feedback (``_capture_feedback``, ``_observe``): the verified rows' hidden states and
+          shadow tokens for the policies that asked; per request its verification outcome
+          (``_verification``: placeholder drafts, acceptance per draft position or per lookup
+          match length, counters), then the drafter's and the policy's ``observe``.
+        * settle (``_settle``): the controller learns what its last choice achieved: this step's
+          tokens over the wall clock since that choice.
+        * budgets (``_search``): the search and shadow budgets tick; at most one due plan search
+          (KnapSpec's) runs, within its budget.
+        * room, lookup (``_rounds``): per request the policy's ``DraftDecision`` and the room
+          left to draft (``_room``: draft length k, max_model_len, seeded sampling, min_tokens);
+          with context lookup, the request's free lookup draft (``_lookup``).
+        * choice (``_choose``): per request its self-draft or its lookup draft
+          (``_candidates``), and the controller's draft lengths for the whole batch
+          (``_control``).
+        * dispatch (``_take_lookup_drafts``, ``_dispatch``): lookup drafts go out as they are;
+          the method's drafter drafts the rest, one forward per draft step for the batch.
+        """
         self.drafter.step_inputs(sampled_token_ids, sample_hidden_states, spec_decode_metadata)
-        req_ids = ib.req_ids
-        num_tokens = ib.num_tokens_no_spec
-        scheduled = scheduler_output.scheduled_spec_decode_tokens
-        drafts: list[list[int]] = [[] for _ in req_ids]
-        st = self.stats
-        st.steps += 1
+        step = self._start_step(runner, scheduler_output, sampled_token_ids, sampling_metadata)
+        feedback_due, search_due, look = self._due()
+        captured = self._capture_feedback(
+            step, aux_hidden_states, common_attn_metadata, feedback_due
+        )
+        emitted, searches = self._observe(step, captured, search_due)
+        self._settle(step, emitted)
+        self._search(step, searches)
+        active, lookups = self._rounds(step, look)
+        active, cands = self._choose(step, active, lookups, look)
+        active = self._take_lookup_drafts(step, active, cands, lookups)
+        self._dispatch(step, active)
+        return step.drafts
+
+    def _start_step(self, runner, scheduler_output, sampled_token_ids, sampling_metadata) -> _Step:
+        """The step's shared inputs; its count, its target forward's cost sample, the states of
+        requests seen for the first time (a prefill chunk that sampled nothing takes no part)."""
+        ib = runner.input_batch
+        self.stats.steps += 1
         t_start = time.perf_counter()
         per_req = scheduler_output.num_scheduled_tokens
         # a decode/verify step (no prefill chunk): its target forward, timed from the runner's
@@ -319,156 +379,209 @@ class SelfSpecProposer:
             self.costs.add_target(len(per_req), sum(per_req.values()), target_seconds)
         if (self.policy.timed or self.controller is not None) and self._tp > 1:
             self.costs.freeze(compat.broadcast_from_tp_rank0(self.costs.state()))
-
-        L = self.info.num_layers
-        entries: list[tuple[int, str, Any]] = []  # (batch row, request id, policy state)
-        for i, req_id in enumerate(req_ids):
+        step = _Step(
+            runner=runner,
+            ib=ib,
+            sampled=sampled_token_ids,
+            scheduled=scheduler_output.scheduled_spec_decode_tokens,
+            sampling_metadata=sampling_metadata,
+            drafts=[[] for _ in ib.req_ids],
+            t_start=t_start,
+            decode_step=decode_step,
+            target_seconds=target_seconds,
+        )
+        for i, req_id in enumerate(ib.req_ids):
             if not sampled_token_ids[i]:  # a prefill chunk that sampled nothing, or discarded
                 continue
             if req_id not in self.states:  # a new request (a policy's state may be None)
                 self.states[req_id] = self.policy.new_state()
                 self._rates[req_id] = self.acceptance.new_state()
                 self._lookup_rates[req_id] = self.lookup_acceptance.new_state()
-            entries.append((i, req_id, self.states[req_id]))
+            step.entries.append((i, req_id, self.states[req_id]))
+        return step
 
-        # costly feedback for self-drafting (DEL's shadow projections, KnapSpec's plan search):
-        # not while the controller runs no self-drafts, only around them and before a probe;
-        # the choice of drafts itself only where choices pay for their own cost
-        feedback_due, search_due, look = self._due()
-        captured: dict[int, tuple] = {}
+    def _capture_feedback(self, step: _Step, aux_hidden_states, common_attn_metadata, due: bool):
+        """Costly feedback for self-drafting (DEL's shadow projections, captured hidden states),
+        when due and the policy asks for it: batch row -> ``_capture``'s tuple."""
         have_aux = aux_hidden_states is not None or not self.aux_layers
-        if self.capture_layers and have_aux and feedback_due:
-            t_shadow = time.perf_counter()
-            with st.timer("shadow"):
-                rows = [
-                    i
-                    for i, _, state in entries
-                    if not self.policy.shadow or self.policy.wants_shadow(state)
-                ]
-                captured = self._capture(
-                    ib, rows, sampled_token_ids, scheduled, aux_hidden_states, common_attn_metadata
-                )
-            if self.shadow_budget is not None:
-                self.shadow_budget.spend(time.perf_counter() - t_shadow)
+        if not (self.capture_layers and have_aux and due):
+            return {}
+        t_shadow = time.perf_counter()
+        with self.stats.timer("shadow"):
+            rows = [
+                i
+                for i, _, state in step.entries
+                if not self.policy.shadow or self.policy.wants_shadow(state)
+            ]
+            captured = self._capture(
+                step.ib,
+                rows,
+                step.sampled,
+                step.scheduled,
+                aux_hidden_states,
+                common_attn_metadata,
+            )
+        if self.shadow_budget is not None:
+            self.shadow_budget.spend(time.perf_counter() - t_shadow)
+        return captured
 
-        active: list[tuple[int, DraftDecision, int]] = []
-        due: list[tuple[int, Any]] = []  # (batch row, state) whose plan search is due
+    def _observe(self, step: _Step, captured: dict, search_due: bool):
+        """Each request's verification outcome to its drafter and its policy; returns the tokens
+        the step emitted and the (batch row, state) pairs whose plan search is due."""
         emitted = 0
-        with st.timer("policy"):
-            for i, req_id, state in entries:
-                sampled = sampled_token_ids[i]
-                # vLLM's -1 placeholder drafts (a request padded at admission) are not drafts
-                verified = scheduled.get(req_id, ())
-                n_drafted = sum(t >= 0 for t in verified)
-                st.placeholder_drafts += len(verified) - n_drafted
-                if (
-                    req_id not in self._pending_q
-                ):  # every drafting request leaves one (greedy: None)
-                    st.draft_probs_missing += n_drafted
-                self._pending_q.pop(req_id, None)  # its drafts (if any) were verified just now
-                n_accepted = len(sampled) - 1 if n_drafted else 0
-                matches = self._lookup_round.pop(req_id, None)
-                if matches is not None:  # lookup drafts: measured per match length
-                    self.lookup_acceptance.observe(
-                        self._lookup_rates[req_id], n_drafted, n_accepted, matches
-                    )
-                    st.lookup_drafted += n_drafted
-                    st.lookup_accepted += n_accepted
-                    max_n = self.lookup["max_ngram"]
-                    st.lookup_shared_accepted += sum(m > max_n for m in matches[:n_accepted])
-                else:
-                    self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
+        due: list[tuple[int, Any]] = []
+        with self.stats.timer("policy"):
+            for i, req_id, state in step.entries:
+                sampled = step.sampled[i]
+                n_drafted, n_accepted, matches = self._verification(step, i, req_id)
                 emitted += len(sampled)
-                st.generated_tokens += len(sampled)
-                st.target_rounds += 1
-                st.target_layers += L
-                st.drafted_tokens += n_drafted
-                st.accepted_tokens += n_accepted
                 # the policy and its drafter hear of their own drafts only (a lookup round is a
                 # plain step to them)
                 own = (n_drafted, n_accepted) if matches is None else (0, 0)
-                fb = Feedback(*own, int(num_tokens[i]))
+                fb = Feedback(*own, int(step.ib.num_tokens_no_spec[i]))
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
                 self.drafter.verified(req_id, *own, sampled, fb)
                 self.policy.observe(state, fb)
                 if search_due and self.policy.wants_optimise(state):
                     due.append((i, state))
-        if self.controller is not None:
-            # what the last choice achieved: this step's tokens over the wall clock since it was
-            # made (its draft steps, the engine's cycle, this step's forward and sampling)
-            # (a step with a prefill chunk tells nothing about decoding: seconds 0 skips it)
-            cycle = t_start - self._last_start if self._last_start is not None else 0.0
-            self.controller.settle(emitted, len(entries), cycle if decode_step else 0.0)
+        return emitted, due
+
+    def _verification(self, step: _Step, i: int, req_id: str):
+        """What the target's verification of batch row ``i`` showed: (drafted, accepted, the
+        match lengths of its lookup drafts or None for a self-draft or none), recorded in the
+        acceptance trackers and the stats."""
+        st = self.stats
+        sampled = step.sampled[i]
+        # vLLM's -1 placeholder drafts (a request padded at admission) are not drafts
+        verified = step.scheduled.get(req_id, ())
+        n_drafted = sum(t >= 0 for t in verified)
+        st.placeholder_drafts += len(verified) - n_drafted
+        if req_id not in self._pending_q:  # every drafting request leaves one (greedy: None)
+            st.draft_probs_missing += n_drafted
+        self._pending_q.pop(req_id, None)  # its drafts (if any) were verified just now
+        n_accepted = len(sampled) - 1 if n_drafted else 0
+        matches = self._lookup_round.pop(req_id, None)
+        if matches is not None:  # lookup drafts: measured per match length
+            self.lookup_acceptance.observe(
+                self._lookup_rates[req_id], n_drafted, n_accepted, matches
+            )
+            st.lookup_drafted += n_drafted
+            st.lookup_accepted += n_accepted
+            max_n = self.lookup["max_ngram"]
+            st.lookup_shared_accepted += sum(m > max_n for m in matches[:n_accepted])
+        else:
+            self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
+        st.generated_tokens += len(sampled)
+        st.target_rounds += 1
+        st.target_layers += self.info.num_layers
+        st.drafted_tokens += n_drafted
+        st.accepted_tokens += n_accepted
+        return n_drafted, n_accepted, matches
+
+    def _settle(self, step: _Step, emitted: int) -> None:
+        """What the controller's last choice achieved: this step's tokens over the wall clock
+        since it was made (its draft steps, the engine's cycle, this step's forward and
+        sampling); a step with a prefill chunk tells nothing about decoding (seconds 0)."""
+        if self.controller is None:
+            return
+        cycle = step.t_start - self._last_start if self._last_start is not None else 0.0
+        self.controller.settle(emitted, len(step.entries), cycle if step.decode_step else 0.0)
+
+    def _search(self, step: _Step, due: list[tuple[int, Any]]) -> None:
+        """The time budgets tick with the last cycle; under the controller one due plan search a
+        step at most, its time spent from the search budget."""
         if self.search_budget is not None:
-            self.search_budget.tick(target_seconds + self._last_seconds)
-            self.shadow_budget.tick(target_seconds + self._last_seconds)
+            self.search_budget.tick(step.target_seconds + self._last_seconds)
+            self.shadow_budget.tick(step.target_seconds + self._last_seconds)
             due = due[:1]  # one search a step at most, within the budget
         if due:
             t_search = time.perf_counter()
-            with st.timer("optimise"):
-                self._optimise(runner, due)
+            with self.stats.timer("optimise"):
+                self._optimise(step.runner, due)
             if self.search_budget is not None:
                 self.search_budget.spend(time.perf_counter() - t_search)
-        lookups: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (tokens, matches)
+
+    def _rounds(self, step: _Step, look: bool):
+        """Per request its policy's next round, cut to the room it has, and its lookup draft:
+        ([(batch row, decision, draft length)], {batch row: (tokens, match lengths)}). A step
+        without a choice (``GoodputController.look_due``) drafts nothing: no round is proposed,
+        and the lookup indexes catch up with their tokens at the next choice."""
+        active: list[tuple[int, DraftDecision, int]] = []
+        lookups: dict[int, tuple[list[int], list[int]]] = {}
+        step.t_look = time.perf_counter()
+        with self.stats.timer("policy"):
+            for i, req_id, state in step.entries if look else ():
+                n = int(step.ib.num_tokens_no_spec[i])
+                decision = self.policy.propose(state)
+                room = self._room(step, i, req_id, n)
+                g = min(decision.num_tokens, room)
+                active.append((i, decision, max(g, 0)))
+                if self.lookup and room > 0:
+                    lookups[i] = self._lookup(step.ib, i, req_id, n, room)
+        return active, lookups
+
+    def _room(self, step: _Step, i: int, req_id: str, n: int) -> int:
+        """How many tokens batch row ``i`` (``n`` tokens so far) may draft this step."""
+        # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
+        room = min(self.k, self.max_model_len - n)
         # sampled requests with their own seed draft nothing: the rejection sampler draws from
         # the request's generator once per draft token, and how many drafts a request gets
         # depends on timing (the controller) and the batch, so its output would not be
         # reproducible run to run, as vanilla vLLM's is (vLLM keeps only such rows' generators)
-        seeded = sampling_metadata.generators
-        # a step without a choice (``GoodputController.look_due``) drafts nothing: no request's
-        # round is proposed, and its lookup index catches up with its tokens at the next choice
-        t_look = time.perf_counter()
-        with st.timer("policy"):
-            for i, req_id, state in entries if look else ():
-                n = int(num_tokens[i])
-                decision = self.policy.propose(state)
-                # draft positions n-1 .. n+g-2 and the next verification must fit max_model_len
-                room = min(self.k, self.max_model_len - n)
-                if i in seeded:
-                    room = 0
-                    st.seeded_rounds += 1
-                # min_tokens: vLLM 0.32 masks the stop tokens of a verification's bonus token by
-                # the output length before the step, so a bonus token at or past min_tokens
-                # could not be EOS where vanilla's could (vLLM issue #41758); drafts end before
-                min_tokens = runner.requests[req_id].sampling_params.min_tokens
-                if min_tokens:
-                    outputs = n - int(ib.num_prompt_tokens[i])
-                    if outputs < min_tokens:
-                        room = min(room, min_tokens - 1 - outputs)
-                g = min(decision.num_tokens, room)
-                active.append((i, decision, max(g, 0)))
-                if self.lookup and room > 0:
-                    lookups[i] = self._lookup(ib, i, req_id, n, room)
+        if i in step.sampling_metadata.generators:
+            room = 0
+            self.stats.seeded_rounds += 1
+        # min_tokens: vLLM 0.32 masks the stop tokens of a verification's bonus token by the
+        # output length before the step, so a bonus token at or past min_tokens could not be
+        # EOS where vanilla's could (vLLM issue #41758); drafts end before
+        min_tokens = step.runner.requests[req_id].sampling_params.min_tokens
+        if min_tokens:
+            outputs = n - int(step.ib.num_prompt_tokens[i])
+            if outputs < min_tokens:
+                room = min(room, min_tokens - 1 - outputs)
+        return room
+
+    def _choose(self, step: _Step, active, lookups, look: bool):
+        """Per request its self-draft or its lookup draft, and under the controller the batch's
+        draft lengths: (the rounds with their lengths, the candidates or None)."""
         cands = None
         if active and (self.controller is not None or lookups):
-            with st.timer("controller"):
-                cands = self._candidates(ib.req_ids, active, lookups)
+            with self.stats.timer("controller"):
+                cands = self._candidates(step.ib.req_ids, active, lookups)
                 if self.controller is not None:
                     active = self._control(active, cands)
-        if self.controller is not None and entries and look:
-            self.controller.looked(time.perf_counter() - t_look)
+        if self.controller is not None and step.entries and look:
+            self.controller.looked(time.perf_counter() - step.t_look)
+        return active, cands
+
+    def _take_lookup_drafts(self, step: _Step, active, cands, lookups):
+        """The chosen lookup drafts go out as they are (no draft step); a policy whose round
+        was cut hears of it (``Policy.capped``). Returns the rounds left to self-draft."""
+        req_ids = step.ib.req_ids
         for j, (i, decision, g) in enumerate(active):
             if cands is not None and cands[j].free:  # a lookup round: no draft step
                 if g > 0:
-                    drafts[i], matches = lookups[i][0][:g], lookups[i][1][:g]
-                    self._lookup_round[ib.req_ids[i]] = matches
-                    self._pending_q[ib.req_ids[i]] = self._point_masses(
-                        sampling_metadata, i, drafts[i]
+                    step.drafts[i], matches = lookups[i][0][:g], lookups[i][1][:g]
+                    self._lookup_round[req_ids[i]] = matches
+                    self._pending_q[req_ids[i]] = self._point_masses(
+                        step.sampling_metadata, i, step.drafts[i]
                     )
-                    st.draft_length_hist[g] += 1
+                    self.stats.draft_length_hist[g] += 1
                 active[j] = (i, decision, 0)
-                self.policy.capped(self.states[ib.req_ids[i]], 0)
+                self.policy.capped(self.states[req_ids[i]], 0)
             elif cands is not None and g < cands[j].max_tokens:
-                self.policy.capped(self.states[ib.req_ids[i]], g)
-        active = [a for a in active if a[2] > 0]
+                self.policy.capped(self.states[req_ids[i]], g)
+        return [a for a in active if a[2] > 0]
 
+    def _dispatch(self, step: _Step, active) -> None:
+        """The method's drafter drafts the self-drafting rounds; the step's own time is kept for
+        the next step's budgets and settlement."""
         if active:
-            with st.timer("draft"):
-                self._draft(runner, active, sampling_metadata, drafts)
-        self._last_seconds = time.perf_counter() - t_start
-        self._last_start = t_start
-        return drafts
+            with self.stats.timer("draft"):
+                self._draft(step.runner, active, step.sampling_metadata, step.drafts)
+        self._last_seconds = time.perf_counter() - step.t_start
+        self._last_start = step.t_start
 
     # ---- how much to draft: context lookup and the goodput controller ------------------------
     def _due(self) -> tuple[bool, bool, bool]:
