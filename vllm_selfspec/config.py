@@ -14,7 +14,7 @@ tokens only; null: the full vocabulary; "auto": ``AUTO_DRAFT_VOCAB_SIZE`` (or th
 ``auto_draft_vocab_size``) when the model has a
 cached map, else the full vocabulary) with ``draft_vocab`` (the token-frequency map: "auto" is
 the model's cached one, see ``vocab.py``), ``goodput`` (true: the goodput controller of
-``goodput.py`` chooses every request's draft length for the whole batch from measured costs, 0
+``goodput/`` chooses every request's draft length for the whole batch from measured costs, 0
 when drafting does not pay; false: each policy's own draft lengths, as they are), ``lookup``
 (true or ``{"max_ngram": 4, "min_ngram": 2}``: free drafts from the request's own context,
 ``lookup.py``, taken where they are expected to beat the method's self-draft) and the method's

@@ -1,4 +1,4 @@
-"""The goodput controller (vllm_selfspec/goodput.py) on synthetic costs and acceptance curves."""
+"""The goodput controller (vllm_selfspec/goodput/) on synthetic costs and acceptance curves."""
 
 import math
 

@@ -141,7 +141,7 @@ class SelfSpecProposer:
         self.capture_tokens = self.config.capture_tokens
         self.states: dict[str, Any] = {}
         self.stats = EngineStats()
-        #: measured seconds of target forwards and draft steps (goodput.py), read by timed
+        #: measured seconds of target forwards and draft steps (goodput/costs.py), read by timed
         #: policies and the controller
         self.costs = StepCostModel()
         self.policy.costs = self.costs
