@@ -34,6 +34,7 @@ from .heads.io import read_config as read_heads_config
 from .lookup import check_options as check_lookup
 from .model_info import ModelInfo
 from .policies import POLICIES
+from .policies.options import is_int
 from .vocab import GENERATIONS_FILE, cached_generations, cached_vocab, default_vocab_dir
 from .vocab import read_config as read_vocab_config
 
@@ -229,18 +230,16 @@ class SelfSpecConfig:
             **raw,
         }
         k = merged.pop("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SelfSpecConfigError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {k!r}"
             )
         cap = merged.pop("capture_tokens")
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        if not is_int(cap) or cap < 1:
             raise SelfSpecConfigError(f"capture_tokens must be a positive integer, got {cap!r}")
         n_vocab, vocab = merged.pop("draft_vocab_size"), merged.pop("draft_vocab")
-        if n_vocab not in (None, "auto") and (
-            not isinstance(n_vocab, int) or isinstance(n_vocab, bool) or n_vocab < 1
-        ):
+        if n_vocab not in (None, "auto") and (not is_int(n_vocab) or n_vocab < 1):
             raise SelfSpecConfigError(
                 f'draft_vocab_size must be a positive integer, "auto" or null (the full '
                 f"vocabulary), got {n_vocab!r}"

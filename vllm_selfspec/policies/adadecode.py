@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
-from .base import DraftDecision, ModelInfo, Policy
+from .base import DraftDecision, Policy
+from .options import is_number
 
 
 class AdaDecodePolicy(Policy):
@@ -72,33 +74,26 @@ class AdaDecodePolicy(Policy):
     ) -> None:
         cls.exits(config, heads)
         t = config["threshold"]
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= 1:
+        if not is_number(t) or not 0 < t <= 1:
             raise ValueError(f"adadecode: threshold (γ) must be in (0, 1], got {t!r}")
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        model: ModelInfo,
-        max_draft_tokens: int,
-        heads: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, model, max_draft_tokens, heads)
-        self.validate(config, model, heads)
-        self.exit_layers = self.exits(config, heads)
+    def setup(self) -> None:
+        self.validate(self.config, self.model, self.heads)
+        self.exit_layers = self.exits(self.config, self.heads)
         if not self.exit_layers:
             raise ValueError(
                 "adadecode: heads must be resolved to a directory before the engine "
                 "starts (SelfSpecConfig.resolved)"
             )
         #: the engine loads these heads into its head slots ("heads@<layer>")
-        self.heads_path = config["heads"]
-        self.threshold = float(config["threshold"])
+        self.heads_path = self.config["heads"]
+        self.threshold = float(self.config["threshold"])
         # the plan is only the engine's record of the deepest layer a draft walk reaches
         self.decision = DraftDecision(
             LayerPlan.prefix(
-                model.num_layers, self.exit_layers[-1], f"heads@{self.exit_layers[-1]}"
+                self.model.num_layers, self.exit_layers[-1], f"heads@{self.exit_layers[-1]}"
             ),
-            max_draft_tokens,
+            self.max_draft_tokens,
         )
 
     def head_for_layer(self, layer: int) -> str:

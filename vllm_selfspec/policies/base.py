@@ -87,6 +87,12 @@ class Policy(ABC):
         self.max_draft_tokens = max_draft_tokens
         #: the trained heads' config.json (None: no heads, or ``heads`` still "auto")
         self.heads = heads
+        self.setup()
+
+    def setup(self) -> None:
+        """What the method builds from ``config``, ``model``, ``max_draft_tokens`` and
+        ``heads`` (set above), raising ValueError for values it cannot run with; every policy
+        shares the constructor, and a method puts its own construction here."""
 
     #: layer counts after which the engine captures the residual stream for observe() (0: the
     #: stream entering the first layer, the rows' embeddings)

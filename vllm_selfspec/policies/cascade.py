@@ -63,8 +63,10 @@ from typing import Any
 
 import numpy as np
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
-from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .base import DraftDecision, Feedback, Policy
+from .options import is_number
 
 #: observations the priors of p_i and a_i are worth
 PRIOR_WEIGHT = 2.0
@@ -132,7 +134,7 @@ class CascadePolicy(Policy):
         over = config["thresholds"]
         if over is None:
             over = {}
-        elif isinstance(over, (int, float)) and not isinstance(over, bool):
+        elif is_number(over):
             over = {str(layer): over for layer in layers}
         if not isinstance(over, dict):
             raise ValueError(
@@ -144,7 +146,7 @@ class CascadePolicy(Policy):
                 raise ValueError(
                     f"cascade: thresholds names exit {key!r}; trained exits are {sorted(trained)}"
                 )
-            if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1:
+            if not is_number(t) or not 0 <= t <= 1:
                 raise ValueError(
                     f"cascade: the threshold of exit {key} must be in [0, 1], got {t!r}"
                 )
@@ -162,36 +164,29 @@ class CascadePolicy(Policy):
             if not isinstance(config[key], bool):
                 raise ValueError(f"cascade: {key} must be true or false, got {config[key]!r}")
         omega = config["omega"]
-        if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
+        if not is_number(omega) or not 0 < omega <= 1:
             raise ValueError(f"cascade: omega must be in (0, 1], got {omega!r}")
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        model: ModelInfo,
-        max_draft_tokens: int,
-        heads: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, model, max_draft_tokens, heads)
-        self.cascade = self.exits(config, heads)
+    def setup(self) -> None:
+        self.cascade = self.exits(self.config, self.heads)
         if not self.cascade:
             raise ValueError(
                 "cascade: heads must be resolved to a directory before the engine "
                 "starts (SelfSpecConfig.resolved)"
             )
         #: the engine loads these heads into its head slots
-        self.heads_path = config["heads"]
+        self.heads_path = self.config["heads"]
         #: drafts are emitted without verification (changes outputs; see the module docstring)
-        self.lossy = bool(config["lossy"])
-        self.adaptive = bool(config["adaptive"])
+        self.lossy = bool(self.config["lossy"])
+        self.adaptive = bool(self.config["adaptive"])
         self.timed = self.adaptive  # the walk rule reads the measured step costs
-        self.omega = float(config["omega"])
+        self.omega = float(self.config["omega"])
         self.layers = np.array([e.layer for e in self.cascade], dtype=np.float64)
         self.prior_confident, self.prior_accept = self._priors()
         deepest = self.cascade[-1]
         self.decision = DraftDecision(
-            LayerPlan.prefix(model.num_layers, deepest.layer, deepest.head),
-            max_draft_tokens,
+            LayerPlan.prefix(self.model.num_layers, deepest.layer, deepest.head),
+            self.max_draft_tokens,
             cascade=self.cascade,
         )
 

@@ -51,8 +51,10 @@ from typing import Any
 
 import numpy as np
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
-from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .base import DraftDecision, Feedback, Policy
+from .options import is_int, is_number
 
 #: real draft steps at a layer (decayed) after which their confidence-stop rate replaces the
 #: shadow tokens' estimate of it
@@ -181,12 +183,12 @@ class DELPolicy(Policy):
     ) -> None:
         cls._exit_layers(config, model, heads)
         omega = config["omega"]
-        if not isinstance(omega, (int, float)) or isinstance(omega, bool) or not 0 < omega <= 1:
+        if not is_number(omega) or not 0 < omega <= 1:
             raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
         if config["cost"] not in ("layers", "time"):
             raise ValueError(f'del: cost must be "layers" or "time", got {config["cost"]!r}')
         every = config["shadow_every"]
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        if not is_int(every) or every < 1:
             raise ValueError(f"del: shadow_every must be a positive integer, got {every!r}")
 
     @staticmethod
@@ -197,7 +199,7 @@ class DELPolicy(Policy):
         layers = config["exit_layers"]
         if layers is None:
             return DELPolicy._head_layers(heads) or default_exit_layers(L)
-        bad = [x for x in layers if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x < L]
+        bad = [x for x in layers if not is_int(x) or not 1 <= x < L]
         if not layers or bad:
             raise ValueError(
                 f"del: exit_layers must be a non-empty list of layer counts in "
@@ -205,30 +207,23 @@ class DELPolicy(Policy):
             )
         return tuple(sorted(set(layers)))
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        model: ModelInfo,
-        max_draft_tokens: int,
-        heads: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, model, max_draft_tokens, heads)
-        self.validate(config, model, heads)
-        self.head_layers = self._head_layers(heads)
+    def setup(self) -> None:
+        self.validate(self.config, self.model, self.heads)
+        self.head_layers = self._head_layers(self.heads)
         #: trained exit heads the engine loads (None: the model's own LM head everywhere)
-        self.heads_path = config["heads"] if heads is not None else None
-        self.capture_layers = self._exit_layers(config, model, heads)
+        self.heads_path = self.config["heads"] if self.heads is not None else None
+        self.capture_layers = self._exit_layers(self.config, self.model, self.heads)
         self.layers = np.array(self.capture_layers, dtype=np.float64)
-        self.omega = float(config["omega"])
-        self.every = int(config["shadow_every"])
-        self.dynamic_threshold = bool(config["dynamic_threshold"])
-        self.cost = config["cost"]
+        self.omega = float(self.config["omega"])
+        self.every = int(self.config["shadow_every"])
+        self.dynamic_threshold = bool(self.config["dynamic_threshold"])
+        self.cost = self.config["cost"]
         self.timed = self.cost == "time"
         self.plans = {
-            l: LayerPlan.prefix(model.num_layers, l, self.head_for_layer(l))
+            l: LayerPlan.prefix(self.model.num_layers, l, self.head_for_layer(l))
             for l in self.capture_layers
         }
-        self.no_draft = DraftDecision(LayerPlan.full(model.num_layers), 0)
+        self.no_draft = DraftDecision(LayerPlan.full(self.model.num_layers), 0)
 
     def head_for_layer(self, layer: int) -> str:
         return f"heads@{layer}" if layer in self.head_layers else "lm_head"

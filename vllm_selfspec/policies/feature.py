@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
-from .base import DraftDecision, ModelInfo, Policy
+from .base import DraftDecision, Policy
 
 #: the exit the engine drafts feature heads at: the embeddings (no decoder layer runs)
 EXIT = 0
@@ -52,25 +53,18 @@ class FeaturePolicy(Policy):
                 f"train them with `vllm-selfspec train-heads --kind feature --layers {EXIT}`"
             )
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        model: ModelInfo,
-        max_draft_tokens: int,
-        heads: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, model, max_draft_tokens, heads)
-        if heads is None:
+    def setup(self) -> None:
+        if self.heads is None:
             raise ValueError(
                 "feature: heads must be resolved to a directory before the engine starts "
                 "(SelfSpecConfig.resolved)"
             )
-        self.validate(config, model, heads)
+        self.validate(self.config, self.model, self.heads)
         #: the engine loads these heads into its head slots ("heads@<layer>")
-        self.heads_path = config["heads"]
+        self.heads_path = self.config["heads"]
         # the plan is the engine's record of what a draft runs: no layer, then the head
         self.decision = DraftDecision(
-            LayerPlan.prefix(model.num_layers, EXIT, f"heads@{EXIT}"), max_draft_tokens
+            LayerPlan.prefix(self.model.num_layers, EXIT, f"heads@{EXIT}"), self.max_draft_tokens
         )
 
     def propose(self, state: Any) -> DraftDecision:

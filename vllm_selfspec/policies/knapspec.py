@@ -36,9 +36,11 @@ from typing import Any
 
 import torch
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
 from . import knapsack
-from .base import DraftDecision, Feedback, ModelInfo, Policy
+from .base import DraftDecision, Feedback, Policy
+from .options import is_int, is_number
 
 
 @dataclass
@@ -59,8 +61,8 @@ def _number(config: dict, key: str, lo: float, hi: float, integer: bool, allow_n
     v = config[key]
     if v is None and allow_none:
         return None
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if not ok or isinstance(v, bool) or not lo <= v <= hi:
+    ok = is_int(v) if integer else is_number(v)
+    if not ok or not lo <= v <= hi:
         kind = "an integer" if integer else "a number"
         extra = " or null (off)" if allow_none else ""
         raise ValueError(f"knapspec: {key} must be {kind} in [{lo}, {hi}]{extra}, got {v!r}")
@@ -90,21 +92,14 @@ class KnapSpecPolicy(Policy):
         _number(config, "tau", -1.0, 1.0, integer=False)
         _number(config, "min_confidence", 0.0, 1.0, integer=False, allow_none=True)
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        model: ModelInfo,
-        max_draft_tokens: int,
-        heads: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, model, max_draft_tokens, heads)
-        self.validate(config, model)
-        self.interval = int(config["interval"])
-        self.history_rounds = int(config["history_rounds"])
-        self.tau = float(config["tau"])
-        conf = config["min_confidence"]
+    def setup(self) -> None:
+        self.validate(self.config, self.model)
+        self.interval = int(self.config["interval"])
+        self.history_rounds = int(self.config["history_rounds"])
+        self.tau = float(self.config["tau"])
+        conf = self.config["min_confidence"]
         self.min_confidence = None if conf is None else float(conf)
-        L = model.num_layers
+        L = self.model.num_layers
         #: the rows' embeddings only: the DP computes the full model's states itself
         self.capture_layers = (0,)
         self.no_draft = DraftDecision(LayerPlan.full(L), 0)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..model_info import ModelInfo
 from ..plans import LayerPlan
-from .base import DraftDecision, ModelInfo, Policy
+from .base import DraftDecision, Policy
+from .options import is_int
 
 
 class LayerSkipPolicy(Policy):
@@ -33,15 +35,13 @@ class LayerSkipPolicy(Policy):
         E = config["exit_layer"]
         if E is None:
             E = L if (skip_attn or skip_mlp) else max(1, L // 2)
-        if not isinstance(E, int) or isinstance(E, bool) or not 1 <= E <= L:
+        if not is_int(E) or not 1 <= E <= L:
             raise ValueError(
                 f"layerskip: exit_layer must be an integer in [1, {L}] for this {L}-layer "
                 f"model (E = {L} is the full model), got {E!r}"
             )
         for key, lst in (("skip_attn", skip_attn), ("skip_mlp", skip_mlp)):
-            bad = [
-                i for i in lst if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < E
-            ]
+            bad = [i for i in lst if not is_int(i) or not 0 <= i < E]
             if bad:
                 raise ValueError(
                     f"layerskip: {key} must hold 0-based layer indices below exit_layer={E} "
@@ -49,15 +49,10 @@ class LayerSkipPolicy(Policy):
                 )
         return LayerPlan.skip(L, skip_attn, skip_mlp, exit_layer=E)
 
-    def __init__(
-        self,
-        config: dict[str, Any],
-        model: ModelInfo,
-        max_draft_tokens: int,
-        heads: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(config, model, max_draft_tokens, heads)
-        self.decision = DraftDecision(self.make_plan(config, model), max_draft_tokens)
+    def setup(self) -> None:
+        self.decision = DraftDecision(
+            self.make_plan(self.config, self.model), self.max_draft_tokens
+        )
 
     def propose(self, state: Any) -> DraftDecision:
         return self.decision
