@@ -201,7 +201,14 @@ class SelfSpecConfig:
 
     @classmethod
     def load(cls, spec: Any) -> SelfSpecConfig:
-        raw = read_spec(spec)
+        """A speculative config given as a dict, JSON text or a JSON file path, parsed and
+        checked (``SelfSpecConfigError``)."""
+        return cls.parse(read_spec(spec))
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> SelfSpecConfig:
+        """``load`` of a config already read into a dict (not changed)."""
+        raw = dict(raw)
         method = raw.pop("method", None)
         if method not in methods():
             raise SelfSpecConfigError(
@@ -287,6 +294,30 @@ class SelfSpecConfig:
             "lookup": self.lookup or False,
             **self.options,
         }
+
+    def stored(self) -> dict[str, Any]:
+        """What the front end hands every worker (``VllmConfig.additional_config["selfspec"]``,
+        read back by ``from_stored``): the options, parsed and checked, without the draft length
+        ``num_speculative_tokens``, whose one home there is vLLM's ``speculative_config``."""
+        out = self.to_dict()
+        del out["num_speculative_tokens"]
+        return out
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any], num_speculative_tokens: int) -> SelfSpecConfig:
+        """The config a worker runs: what ``stored`` wrote, with vLLM's draft length. Not parsed
+        or checked again: the front end did both, and resolved every "auto" option."""
+        options = dict(stored)
+        return cls(
+            method=options.pop("method"),
+            num_speculative_tokens=num_speculative_tokens,
+            capture_tokens=options.pop("capture_tokens"),
+            draft_vocab_size=options.pop("draft_vocab_size"),
+            draft_vocab=options.pop("draft_vocab"),
+            goodput=options.pop("goodput"),
+            lookup=options.pop("lookup") or {},
+            options=options,
+        )
 
     def validate_for_model(self, model: ModelInfo) -> None:
         if model.architecture not in SUPPORTED_ARCHITECTURES:

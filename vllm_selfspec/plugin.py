@@ -8,10 +8,11 @@ the first six (the fourth on CPU only); the seventh is applied where a selfspec 
 built, so only in the process that serves it:
 
 1. ``EngineArgs.create_engine_config``: when the speculative config names a selfspec method,
-   validate it (clear errors before anything starts), turn it into vLLM's ``custom_class``
-   speculative config pointing at our proposer, store the selfspec options in
-   ``additional_config["selfspec"]`` and wire the selfspec worker class. The user passes only the
-   speculative config.
+   read and validate it once (clear errors before anything starts), turn it into vLLM's
+   ``custom_class`` speculative config pointing at our proposer (the draft length lives there
+   only), store the other selfspec options, resolved, in ``additional_config["selfspec"]``
+   (``SelfSpecConfig.stored``; the workers rebuild the config from it without parsing it again)
+   and wire the selfspec worker class. The user passes only the speculative config.
 2. ``EngineArgs.add_cli_args``: ``--speculative-config`` also takes a path to a JSON file.
 3. ``VllmConfig.num_lookahead_tokens``: reserve KV slots for the draft positions, as vLLM does
    for EAGLE (without it, draft KV lands in the shared null block).
@@ -51,7 +52,6 @@ from .config import (
     LOSSY_WARNING,
     SelfSpecConfig,
     SelfSpecConfigError,
-    is_selfspec,
     methods,
     read_spec,
 )
@@ -131,17 +131,18 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
     spec = args.speculative_config
     if spec is None:
         return None
-    if not is_selfspec(spec):
+    raw = read_spec(spec)  # the one reading of the user's config (dict, JSON text or file)
+    method = raw.get("method")
+    if method not in methods():
         if isinstance(spec, (str, os.PathLike)):
-            args.speculative_config = read_spec(spec)  # a file path for a vLLM method: read it
-        method = read_spec(args.speculative_config).get("method")
+            args.speculative_config = raw  # a file path for a vLLM method: vLLM wants the dict
         if method is not None and method not in compat.vllm_spec_methods():
             raise SelfSpecConfigError(
                 f"unknown speculative method {method!r}: selfspec methods are "
                 f"{sorted(methods())}, vLLM's are {compat.vllm_spec_methods()}"
             )
         return None
-    cfg = SelfSpecConfig.load(spec)
+    cfg = SelfSpecConfig.parse(raw)
     if args.worker_cls not in ("auto", compat.WORKER_CLS):
         raise SelfSpecConfigError(
             f"selfspec wires its own worker class; remove worker_cls={args.worker_cls!r}"
@@ -162,7 +163,7 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
         "model": compat.PROPOSER_CLS,
         "num_speculative_tokens": cfg.num_speculative_tokens,
     }
-    args.additional_config = {**(args.additional_config or {}), "selfspec": cfg.to_dict()}
+    args.additional_config = {**(args.additional_config or {}), "selfspec": cfg.stored()}
     return cfg
 
 
@@ -185,7 +186,7 @@ def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
             f"at different depths), which CUDA graphs cannot replay: pass enforce_eager=True "
             f"(--enforce-eager)"
         )
-    vllm_config.additional_config["selfspec"] = cfg.to_dict()
+    vllm_config.additional_config["selfspec"] = cfg.stored()
     return cfg
 
 

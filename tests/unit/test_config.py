@@ -98,3 +98,27 @@ def test_goodput_and_lookup_round_trip():
         "datastore": "auto",
     }
     assert SelfSpecConfig.load(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "layerskip", "exit_layer": 12, "num_speculative_tokens": 5},
+        {"method": "layerskip", "goodput": False, "lookup": {"max_ngram": 3, "datastore": None}},
+        {"method": "del", "heads": "none", "shadow_every": 2, "draft_vocab_size": None},
+        {"method": "knapspec", "interval": 8, "lookup": True, "capture_tokens": 16},
+        {"method": "cascade", "heads": "/some/heads", "lossy": True},
+        {"method": "adadecode", "heads": "/some/heads", "threshold": 0.5},
+        {"method": "feature", "heads": "/h", "draft_vocab_size": 4096, "draft_vocab": "/v"},
+    ],
+)
+def test_workers_rebuild_the_front_ends_config(spec, tmp_path):
+    """The workers rebuild the config the front end parsed, checked and resolved from what it
+    stored, without parsing it again; the draft length comes from vLLM's speculative_config."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    cfg = SelfSpecConfig.load(spec).resolved(str(tmp_path))
+    stored = cfg.stored()
+    assert "num_speculative_tokens" not in stored
+    rebuilt = SelfSpecConfig.from_stored(stored, cfg.num_speculative_tokens)
+    assert rebuilt == cfg == SelfSpecConfig.load(cfg.to_dict())
+    assert stored == cfg.stored()  # the stored dict is not consumed

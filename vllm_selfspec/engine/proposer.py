@@ -117,7 +117,10 @@ class SelfSpecProposer:
                 'speculative_config such as {"method": "layerskip", ...}, not custom_class'
             )
         self.vllm_config = vllm_config
-        self.config = SelfSpecConfig.load(opts)
+        #: the draft length: vLLM's speculative_config is its one home (the scheduler's lookahead
+        #: slots and the rejection sampler read it there too)
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.config = SelfSpecConfig.from_stored(opts, self.k)
         self.info = compat.model_info(vllm_config)
         if self.config.draft_vocab_size is not None:  # the draft reads N of V LM-head rows
             self.info = dataclasses.replace(
@@ -131,7 +134,6 @@ class SelfSpecProposer:
         self.lossy = bool(getattr(self.policy, "lossy", False))
         if self.lossy:
             logger.warning(LOSSY_WARNING)
-        self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capture_layers = tuple(sorted(set(self.policy.capture_layers)))
         #: the layers vLLM's EAGLE-3 hook returns; layer 0 (the embeddings) is never taken from
