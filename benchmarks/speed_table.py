@@ -117,7 +117,9 @@ def main() -> int:
         path = Path(name)
         text = path.read_text()
         if not BLOCK.search(text):
-            raise SystemExit(f"{name}: no <!-- speed-table:begin --> or <!-- include:begin --> block")
+            raise SystemExit(
+                f"{name}: no <!-- speed-table:begin --> or <!-- include:begin --> block"
+            )
         new = update(text)
         if new != text:
             stale.append(name)

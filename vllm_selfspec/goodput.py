@@ -22,8 +22,8 @@ Three parts (and ``SearchBudget``, the share of time a plan search may take):
   ``look_due``, whether this step's choice is worth its own cost at all (after a choice that
   drafted nothing, one is skipped while choices save less than the proposer takes to make them).
 
-Worked example (one step, batch of 2, round costs of the order docs/benchmarks.md reports for
-this project's CPU)::
+Worked example (one step, batch of 2, round costs of the order docs/performance.md, "Step
+costs", reports for the CPU)::
 
     target forward V(R, D) = 70 ms + 7 ms · R + 7 ms · D   (R = 2 requests, D = their drafts;
                                                             no fixed cost of verifying here)
@@ -115,11 +115,10 @@ class StepCostModel:
         it), and a drafting step is a sample of ``v_tok·D + v_ver`` over *the latest plain
         steps of its size* (a fast average per request count: the speed of the moment),
         fitted on drafting steps alone, so its evidence is not forgotten while no one drafts
-        (docs/benchmarks.md, "Pricing verification"). The same excess is kept per shape
+        (docs/performance.md, "The cost model"). The same excess is kept per shape
         (requests, draft tokens) and prices the shapes measured and their neighbours, each at
         its mean plus a standard error of it, so noise cannot make a shape look cheap
-        (``verify_excess``; docs/benchmarks.md, "Step costs by shape" and "shapes priced
-        against noise").
+        (``verify_excess``; docs/performance.md, "The cost model").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 
@@ -127,7 +126,7 @@ class StepCostModel:
     #: token
     MIN_SLOPE_SHARE = 0.05
     #: until the data separates a slope from the rest, assume this share (conservative on a GPU,
-    #: where verification is nearly free; this project's CPU: docs/benchmarks.md, "Goodput")
+    #: where verification is nearly free; the CPU: docs/performance.md, "The cost model")
     PRIOR_SLOPE_SHARE = 0.25
     #: each prior slope weighs as much as this many squared count deviations of data (a ridge
     #: towards the prior; the intercept is not penalised)
@@ -144,7 +143,7 @@ class StepCostModel:
     #: tokens. On this project's CPU at batch 1 a 2-token forward took 10 ms *more* than a plain
     #: one, and 3- to 6-token forwards 5-7 ms *less* (the matrix kernels change with the row
     #: count; a GPU's CUDA-graph sizes make steps too), so a line through them priced every
-    #: draft length wrongly (docs/benchmarks.md, "Step costs by shape")
+    #: draft length wrongly (docs/performance.md, "The cost model")
     SHAPE_DECAY = 0.9
     #: a shape's mean is shrunk towards the line by this many samples' weight (a shape seen once
     #: or twice is mostly the line)
@@ -166,8 +165,9 @@ class StepCostModel:
     MAX_DRAFT_OVER_TARGET = 1.5
     #: nor, once the draft line is measured, is one at more than this many times its
     #: prediction, unless three in a row are (the machine slowed down): a feature head's draft
-    #: step (no decoder layer, ~2.5 ms) passes the bound above at up to 80 ms, and its first
-    #: samples once priced it at 11.4 ms for a whole run (docs/benchmarks.md, "Feature heads")
+    #: step (no decoder layer, ~2.5 ms) passes the bound above at up to 80 ms, and first samples
+    #: with one-time costs in them would price it for a whole run (docs/performance.md, "The
+    #: cost model")
     MAX_DRAFT_OVER_FIT = 4.0
 
     def __init__(self, skip_first: bool = True) -> None:
@@ -200,8 +200,8 @@ class StepCostModel:
     def _first_of_shape(self, kind: str, *shape: int) -> bool:
         """Whether this is the engine's first step of this shape. Such a step carries one-time
         costs: the drafter's first metadata and KV-group builds, oneDNN's primitives for a new
-        matrix shape on CPU. On this project's CPU they made the first draft steps of the
-        embedded model 5-10x longer than the later ones (docs/benchmarks.md, "Do no harm"), and a
+        matrix shape on CPU. On the CPU they make the first draft steps of the
+        embedded model several times longer than the later ones, and a
         line fitted to them judged every self-draft too dear to ever try again."""
         key = (kind, *shape)
         if key in self._seen:
@@ -542,7 +542,7 @@ class PlainReference:
     verification steps bent the line up), a decayed mean over plain cycles. The target line alone
     sees only forwards, and a cost that every speculative step carries (the rejection sampler,
     say) raises it at the plain batch size too, so speculation measured against it looks better
-    than it is (docs/benchmarks.md, "The safety net against measured plain cycles")."""
+    than it is (docs/architecture.md, "The goodput controller", the safety net)."""
 
     DECAY = 0.9
     #: a cycle this many times longer than predicted held an idle gap (no requests): not a sample
@@ -613,8 +613,8 @@ class SafetyNet:
 
     #: the range of the time calibration. Below 1 it says the cost model prices these steps
     #: dearer than whole cycles measure them; lookup steps sat at a floor of 0.8 for whole runs
-    #: at batch 1 and 8 on this project's CPU, but a floor of 0.5 made `auto` draft more at batch
-    #: 8 and lose (docs/benchmarks.md, "Pricing verification"): a cycle's cost is not all a
+    #: at batch 1 and 8 on the CPU, but a floor of 0.5 made `auto` draft more at batch
+    #: 8 and lose: a cycle's cost is not all a
     #: closed batch pays for its drafts
     TIME_CALIBRATION = (0.8, 4.0)
 
@@ -669,7 +669,7 @@ class SearchBudget:
     seconds (steps and searches together), both as sums decayed per step, so old searches fade and a burst cannot spend
     credit saved up over an idle hour. 2%: a method must stay within 3% of plain decoding when
     its drafts do not pay, and the speculative path's own per-step work already takes part of that
-    (docs/benchmarks.md, "Goodput"). Example: at 40 ms a step and 0.6 s a search, a 2% budget
+    (docs/architecture.md, "The goodput controller"). Example: at 40 ms a step and 0.6 s a search, a 2% budget
     allows one search in about 735 steps once the sums are settled. ``allows(share)`` asks
     against another share (the controller's ``feedback_share``: less while no self-draft is
     chosen)."""
@@ -762,7 +762,7 @@ class GoodputController:
     #: feedback takes at most this share of the time (``feedback_share``), what the probes it
     #: prepares may take: at the search budget's 2%, DEL's shadow projections alone cost 2% of
     #: every step at batch 16 here while it drafted 4 tokens in a run, and KnapSpec's plan
-    #: searches 0.3-3% at batch 1 while it drafted nothing (docs/benchmarks.md)
+    #: searches 0.3-3% at batch 1 while it drafted nothing
     IDLE_FEEDBACK_SHARE = PROBE_TIME_SHARE
 
     def feedback_share(self, share: float) -> float:
@@ -793,9 +793,8 @@ class GoodputController:
 
     # ---- whether to choose at all -------------------------------------------------------------
     #: a choice costs the proposer time of its own, drafts or not: the requests' lookups, their
-    #: candidates and this search (~1.3 ms a step at batch 8 on this project's CPU, 2% of a
-    #: plain step, where the choice drafted in one step of eight: docs/benchmarks.md, "Steps
-    #: that do not choose"); at most this many steps in a row go without one (``look_due``)
+    #: candidates and this search (about 2% of a plain step at batch 8 on the CPU;
+    #: docs/architecture.md, "The goodput controller"); at most this many steps in a row go without one (``look_due``)
     MAX_SKIPPED_LOOKS = 3
     #: the share of the old figure kept per choice, in ``_look_saving`` and ``_look_cost``
     LOOK_DECAY = 0.9
@@ -1029,8 +1028,7 @@ class GoodputController:
         With s draft steps the tokens on offer are every free token and each self-draft's first
         s: one ranking of all of them serves every s (a subset keeps its order), so all depths
         are priced in one pass, a row of the arrays below per s (with 6-token self-drafts in view
-        at 8 requests, the 7 passes of one pricing each took half of a choice's time:
-        docs/benchmarks.md, "The controller's cost").
+        at 8 requests, the 7 passes of one pricing each took half of a choice's time).
 
         Example: one free draft (P 0.9, 0.5) and one self-draft (P 0.8) whose draft step costs
         0.02 s; a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step
@@ -1109,7 +1107,7 @@ class GoodputController:
         that lookup drafts never ran again in a short engine test, and feature heads, whose draft
         step is a twentieth of a target step, drafted 2 tokens in a whole benchmark (their lone
         probes priced a verifying step at 20 ms and a verified token at 16 ms, against 0 and
-        2.9 ms measured from the same engine's lookup rounds: docs/benchmarks.md, "Feature heads")."""
+        2.9 ms measured from the same engine's lookup rounds)."""
         if free:
             self._free_interval = min(2 * self._free_interval, self.max_probe_every)
             self._free_idle = 0
