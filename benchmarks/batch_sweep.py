@@ -1,7 +1,7 @@
 """Speedup against batch size: ``vllm-selfspec bench`` per prompt set and batch size, then one
 table and one plot per prompt set (speedup over vanilla of the same run, per method).
 
-    python benchmarks/batch_sweep.py --out docs/results/goodput --prompts humaneval,chat,passages \
+    python benchmarks/batch_sweep.py --out OUT --prompts humaneval,chat,passages \
         --batch-sizes 1,8 --methods ngram,auto,layerskip --num-prompts 16 --max-tokens 64 \
         --repeats 3 [--method-config '{...}']
 

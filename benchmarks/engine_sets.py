@@ -1,8 +1,8 @@
 """The same bench run several times, each with new engines, pooled: a method's speedup without
 the luck of one engine process.
 
-Two processes of one engine differ in forward speed by up to ~15% on this project's machine
-(docs/benchmarks.md, "The bench's own noise"), and a process keeps its offset for all of its
+Two processes of one engine differ in forward speed by up to ~15% on a 2-core CPU
+(docs/performance.md, "How a figure is made"), and a process keeps its offset for all of its
 repeats: a bench run's median of 3 repeats carries its engines' draw (its A/A engine shows how
 far). Each set here starts new engines; the per-repeat ratios of all sets are pooled.
 

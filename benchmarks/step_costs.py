@@ -3,7 +3,7 @@ plain step, a verify step with k = 1, 3 and 6 drafts per request, and a draft st
 (8, 16, 24 layers of the model's L) and per drafter kind (a layer plan, a sub-layer skip set,
 feature heads).
 
-    python benchmarks/step_costs.py --out docs/results/step-costs
+    python benchmarks/step_costs.py --out docs/results/compiled/step-costs
 
 Each engine (one per config and mode, in this process, one after the other) decodes the same
 prompts one at a time (batch 1) and then all together (batch 8), greedy, after a warm-up. The

@@ -12,8 +12,8 @@ own, as a server runs them), hooks installed in the worker with collective_rpc.
 Prints, per scheduled-token count, the steps and the median gap / execute (of which the model's
 forward) / sample / rest in ms: "sample" holds the drafter in speculative engines, "rest" the
 engine core's scheduling and the round trips to the worker process. Compare engines run back
-to back only by the same token count, and mind the machine's drift (here: the same plain step
-at 62 and 84 ms a minute apart; docs/benchmarks.md, "Do no harm" alternates the engines): a
+to back only by the same token count, and mind the machine's drift (docs/performance.md, "How a
+figure is made", alternates the engines): a
 marginal verified token's cost is the difference between token counts *within* one run.
 Then, per number of requests in a step (decode-only steps apart from those with a prompt
 chunk), the steps, their seconds and the tokens they emitted: a drafter's steps with the batch

@@ -168,7 +168,7 @@ def launch_config(
     ``benchmarks/lm_head_tiles.py`` times alternatives to this plan on a GPU.
     """
     # many rows: larger row blocks (each streams the weight once), more warps and stages, as the
-    # tile sweeps on an H100 found (docs/benchmarks.md, "The LM head's combine and tiles")
+    # tile sweeps on an H100 found (docs/results/kernels-h100/tiles.txt)
     if num_rows > 64:
         block_n, warps, stages = 128, 8, 4
     else:

@@ -7,7 +7,7 @@ plain ``torch.softmax`` allocates the same again for the probabilities); the Tri
 only its split-V partials: four [num_splits, N] buffers of 4 bytes. With ``norm_weight`` the rows
 are first normalised in PyTorch (``lm_head_input``): N x d more, in float32 while it runs and in
 the weight's dtype after, not counted here (Llama-3-8B's 288 x 4096 rows: 4.5 MiB per float32
-copy; 13.8 MiB peak extra for the whole call measured on an H100, docs/benchmarks.md).
+copy; 13.9 MiB peak extra for the whole call on an H200, docs/results/kernels-h200/bench.txt).
 """
 
 from __future__ import annotations

@@ -531,8 +531,8 @@ def paged_attention(
     """Dispatcher: the Triton kernels where they run (see :func:`use_triton`), else the reference.
     ``max_context`` (at least every ``position + 1``) spares the kernels' split decision a
     device-to-host read of ``positions.max()``, a synchronisation that costs more than the kernels
-    at small shapes on a GPU and cannot be captured in a CUDA graph (docs/benchmarks.md, "The
-    Triton kernels on an H100"); the reference ignores it."""
+    at small shapes on a GPU and cannot be captured in a CUDA graph (docs/results/kernels-h100/bench.txt);
+    the reference ignores it."""
     batch = dict(
         slot_mapping=slot_mapping,
         block_table=block_table,

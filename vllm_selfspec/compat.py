@@ -446,8 +446,8 @@ def model_info(vllm_config) -> ModelInfo:
 
 def linear(weight):
     """``x -> x @ weight.T`` with the GEMM vLLM itself uses for unquantized layers: on CPU its
-    oneDNN kernel with a prepacked weight (faster than ``F.linear`` for a few rows:
-    docs/benchmarks.md, "Cheap draft steps"), elsewhere ``F.linear``."""
+    oneDNN kernel with a prepacked weight (faster than ``F.linear`` for a few rows),
+    elsewhere ``F.linear``."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

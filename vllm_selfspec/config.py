@@ -47,8 +47,8 @@ COMMON_OPTIONS: dict[str, Any] = {
     "goodput": True,
     "lookup": False,
 }
-#: draft_vocab_size "auto": the reduced vocabulary measured best on the embedded model
-#: (docs/benchmarks.md, "Cheap draft steps")
+#: draft_vocab_size "auto": the reduced vocabulary for the embedded model
+#: (docs/methods.md, "Cheap draft steps")
 AUTO_DRAFT_VOCAB_SIZE = 8192
 #: vLLM's MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py)
 MAX_SPECULATIVE_TOKENS = 128
@@ -151,7 +151,7 @@ def is_selfspec(spec: Any) -> bool:
 def auto_method(model_path: str) -> tuple[str, dict[str, Any]]:
     """What ``method: "auto"`` runs on this model besides context lookup: the self-drafter
     measured strongest on the embedded model among those this model has what they need for
-    (docs/benchmarks.md): feature heads (no decoder layer per draft); else Cascade with its
+    (docs/methods.md, "`auto` and context lookup"): feature heads (no decoder layer per draft); else Cascade with its
     trained adapters; else DEL through trained AdaDecode heads; else, training-free, LayerSkip
     exiting two layers before the top (LS(E-γ)'s best)."""
     if cached_heads(model_path, "feature") is not None:

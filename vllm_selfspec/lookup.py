@@ -79,8 +79,7 @@ class NGramTable:
     Every key and entry is an immutable tuple of ints (an update replaces the entry), so that
     Python's garbage collector stops tracking them after their first collection: a datastore of
     ~50k tokens was ~155k tracked lists and dicts, each of which every full collection of the
-    worker walked (docs/benchmarks.md, "`auto` at batch 8 in fresh engine sets, and a 440 ms
-    garbage collection")."""
+    worker walked (docs/architecture.md, "Runner hooks")."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n

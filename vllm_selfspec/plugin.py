@@ -26,8 +26,8 @@ built, so only in the process that serves it:
 5. ``Scheduler.update_from_output`` and 6. ``EngineCore.post_step``: a selfspec worker returns
    the step's drafts with its output (``compat.DRAFTS_ATTR``); the scheduler takes them there,
    and the engine core skips the ``take_draft_token_ids`` RPC that vLLM sends every step after
-   it (one round trip to the worker process per step, ~0.5 ms: docs/benchmarks.md, "Do no
-   harm"). An output without the attribute (any other engine) changes nothing.
+   it (one round trip to the worker process per step: docs/architecture.md, "The
+   patches"). An output without the attribute (any other engine) changes nothing.
 7. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 

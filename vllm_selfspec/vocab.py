@@ -52,7 +52,7 @@ GENERATIONS_FILE = "generations.safetensors"
 DEFAULT_SOURCES = "pydoc,topics"
 #: requests of the heads' default corpus (``heads.corpus``, general chat and code) generated
 #: for the lookup datastore alone (the map does not count them): more generations draft more
-#: (docs/benchmarks.md, "A datastore of the model's own generations")
+#: (docs/methods.md, "`auto` and context lookup")
 GENERAL_PROMPTS = 192
 #: the "topics" source: everyday requests on these subjects (none is a benchmark prompt)
 TOPICS = (

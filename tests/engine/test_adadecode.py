@@ -7,7 +7,7 @@ The heads here are built, not trained (AdaDecode heads at their identity initial
 exit reads the model's own LM head at that layer), saved in the real format, with a threshold
 low enough that they predict early often and are rejected often, so the test is fast and covers
 the wiring and the schedule; training is covered by tests/unit/test_heads.py and the trained
-heads by the benchmarks (docs/benchmarks.md, "AdaDecode").
+heads by the benchmarks (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_a_worker_that_dies_is_reported_even_if_its_child_holds_the_pipe(tmp_pat
 
 def test_a_groups_engines_load_together_and_warm_up_one_at_a_time(tmp_path, monkeypatch):
     """A cost model that learnt its prices while the other engines' warm-ups competed for the
-    cores carried them into the timed runs (docs/benchmarks.md, "Step costs by shape")."""
+    cores carried them into the timed runs (docs/performance.md, "How a figure is made")."""
     from vllm_selfspec.tools import bench
 
     calls = []

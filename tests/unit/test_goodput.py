@@ -633,7 +633,7 @@ def test_plan_searches_take_less_time_while_only_probes_run():
     """KnapSpec's plan searches (``feedback_allowed(search=True)``) under the same idle share as
     DEL's shadows: a search dear as ten steps (~0.6 s against a 60 ms step at batch 1 here),
     drafts that never pay. At the search budget's own 2% they took 0.3-3% of KnapSpec's time at
-    batch 1 while it drafted nothing (docs/benchmarks.md), 2.4% here; now about 1%. A search runs
+    batch 1 while it drafted nothing, 2.4% here; now about 1%. A search runs
     while the budget's spent sum is within its share, so one dearer than the allowance overshoots
     it by its own cost: twice the idle share bounds it."""
     costs = measured()
@@ -719,7 +719,7 @@ def test_self_draft_probes_carry_as_many_tokens_as_a_quarter_step_of_drafting_bu
 
 
 def _cpu_shapes(shapes: bool = True) -> StepCostModel:
-    """Batch-1 steps as this project's CPU ran them (docs/benchmarks.md, "Step costs by shape"):
+    """Batch-1 steps as the CPU ran them (docs/performance.md, "The cost model"):
     a plain forward 48 ms, verifying 1 draft 58 ms, 2 to 5 drafts 42 ms; a draft step 2 ms.
     ``shapes=False``: the planted bug, a model that only has the line."""
     c = StepCostModel(skip_first=False)

@@ -155,7 +155,7 @@ class SelfSpecProposer:
         #: under the controller, plan searches (KnapSpec's) and hidden-state capture with shadow
         #: projections (DEL's) each take at most a share of the time: a shadow row is a full
         #: LM-head projection per exit, dearer than the target's whole stack on a large-vocabulary
-        #: model (Gemma-3-270M: 8% of DEL's time without this budget, docs/benchmarks.md)
+        #: model (Gemma-3-270M; docs/architecture.md, "The goodput controller")
         self.search_budget = SearchBudget() if self.controller is not None else None
         self.shadow_budget = SearchBudget() if self.controller is not None else None
         #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;

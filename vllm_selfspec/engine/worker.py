@@ -28,9 +28,8 @@ def freeze_startup_heap() -> int:
     datastore) out of the garbage collector's full collections, as vLLM's engine core does in its
     own process (``vllm.utils.gc_utils.freeze_gc_heap``; the worker process gets none). Those
     collections come when enough long-lived objects pile up, which a drafter's bookkeeping does
-    and a vanilla worker's does not: without this, one of them stalled an engine step of `auto`
-    for 440 ms at batch 8 (docs/benchmarks.md, "`auto` at batch 8 in fresh engine sets, and a
-    440 ms garbage collection"). Returns the number of objects frozen."""
+    and a vanilla worker's does not: without this, one of them stalls an engine step for
+    hundreds of milliseconds (docs/architecture.md, "Runner hooks"). Returns the number of objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -27,8 +27,8 @@ Its parts, one module each:
 * ``safety`` — the safety net (``SafetyNet``, ``PlainReference``) and ``SearchBudget``, the share
   of time that costly feedback (a plan search, shadow projections) may take.
 
-Worked example (one step, batch of 2, round costs of the order docs/benchmarks.md reports for
-this project's CPU)::
+Worked example (one step, batch of 2, round costs of the order docs/performance.md, "Step
+costs", reports for the CPU)::
 
     target forward V(R, D) = 70 ms + 7 ms · R + 7 ms · D   (R = 2 requests, D = their drafts;
                                                             no fixed cost of verifying here)

@@ -84,7 +84,7 @@ class GoodputController:
     #: feedback takes at most this share of the time (``feedback_share``), what the probes it
     #: prepares may take: at the search budget's 2%, DEL's shadow projections alone cost 2% of
     #: every step at batch 16 here while it drafted 4 tokens in a run, and KnapSpec's plan
-    #: searches 0.3-3% at batch 1 while it drafted nothing (docs/benchmarks.md)
+    #: searches 0.3-3% at batch 1 while it drafted nothing
     IDLE_FEEDBACK_SHARE = PROBE_TIME_SHARE
 
     def feedback_share(self, share: float) -> float:
@@ -115,9 +115,8 @@ class GoodputController:
 
     # ---- whether to choose at all -------------------------------------------------------------
     #: a choice costs the proposer time of its own, drafts or not: the requests' lookups, their
-    #: candidates and this search (~1.3 ms a step at batch 8 on this project's CPU, 2% of a
-    #: plain step, where the choice drafted in one step of eight: docs/benchmarks.md, "Steps
-    #: that do not choose"); at most this many steps in a row go without one (``look_due``)
+    #: candidates and this search (about 2% of a plain step at batch 8 on the CPU;
+    #: docs/architecture.md, "The goodput controller"); at most this many steps in a row go without one (``look_due``)
     MAX_SKIPPED_LOOKS = 3
     #: the share of the old figure kept per choice, in ``_look_saving`` and ``_look_cost``
     LOOK_DECAY = 0.9
@@ -351,8 +350,7 @@ class GoodputController:
         With s draft steps the tokens on offer are every free token and each self-draft's first
         s: one ranking of all of them serves every s (a subset keeps its order), so all depths
         are priced in one pass, a row of the arrays below per s (with 6-token self-drafts in view
-        at 8 requests, the 7 passes of one pricing each took half of a choice's time:
-        docs/benchmarks.md, "The controller's cost").
+        at 8 requests, the 7 passes of one pricing each took half of a choice's time).
 
         Example: one free draft (P 0.9, 0.5) and one self-draft (P 0.8) whose draft step costs
         0.02 s; a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step
@@ -431,7 +429,7 @@ class GoodputController:
         that lookup drafts never ran again in a short engine test, and feature heads, whose draft
         step is a twentieth of a target step, drafted 2 tokens in a whole benchmark (their lone
         probes priced a verifying step at 20 ms and a verified token at 16 ms, against 0 and
-        2.9 ms measured from the same engine's lookup rounds: docs/benchmarks.md, "Feature heads")."""
+        2.9 ms measured from the same engine's lookup rounds)."""
         if free:
             self._free_interval = min(2 * self._free_interval, self.max_probe_every)
             self._free_idle = 0

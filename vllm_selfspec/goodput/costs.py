@@ -64,11 +64,10 @@ class StepCostModel:
         it), and a drafting step is a sample of ``v_tok·D + v_ver`` over *the latest plain
         steps of its size* (a fast average per request count: the speed of the moment),
         fitted on drafting steps alone, so its evidence is not forgotten while no one drafts
-        (docs/benchmarks.md, "Pricing verification"). The same excess is kept per shape
+        (docs/performance.md, "The cost model"). The same excess is kept per shape
         (requests, draft tokens) and prices the shapes measured and their neighbours, each at
         its mean plus a standard error of it, so noise cannot make a shape look cheap
-        (``verify_excess``; docs/benchmarks.md, "Step costs by shape" and "shapes priced
-        against noise").
+        (``verify_excess``; docs/performance.md, "The cost model").
     * one draft step: ``d0 + d1·layers + d2·layers·rows`` (layers = the plan's layer cost).
     """
 
@@ -76,7 +75,7 @@ class StepCostModel:
     #: token
     MIN_SLOPE_SHARE = 0.05
     #: until the data separates a slope from the rest, assume this share (conservative on a GPU,
-    #: where verification is nearly free; this project's CPU: docs/benchmarks.md, "Goodput")
+    #: where verification is nearly free; the CPU: docs/performance.md, "The cost model")
     PRIOR_SLOPE_SHARE = 0.25
     #: each prior slope weighs as much as this many squared count deviations of data (a ridge
     #: towards the prior; the intercept is not penalised)
@@ -93,7 +92,7 @@ class StepCostModel:
     #: tokens. On this project's CPU at batch 1 a 2-token forward took 10 ms *more* than a plain
     #: one, and 3- to 6-token forwards 5-7 ms *less* (the matrix kernels change with the row
     #: count; a GPU's CUDA-graph sizes make steps too), so a line through them priced every
-    #: draft length wrongly (docs/benchmarks.md, "Step costs by shape")
+    #: draft length wrongly (docs/performance.md, "The cost model")
     SHAPE_DECAY = 0.9
     #: a shape's mean is shrunk towards the line by this many samples' weight (a shape seen once
     #: or twice is mostly the line)
@@ -115,8 +114,9 @@ class StepCostModel:
     MAX_DRAFT_OVER_TARGET = 1.5
     #: nor, once the draft line is measured, is one at more than this many times its
     #: prediction, unless three in a row are (the machine slowed down): a feature head's draft
-    #: step (no decoder layer, ~2.5 ms) passes the bound above at up to 80 ms, and its first
-    #: samples once priced it at 11.4 ms for a whole run (docs/benchmarks.md, "Feature heads")
+    #: step (no decoder layer, ~2.5 ms) passes the bound above at up to 80 ms, and first samples
+    #: with one-time costs in them would price it for a whole run (docs/performance.md, "The
+    #: cost model")
     MAX_DRAFT_OVER_FIT = 4.0
 
     def __init__(self, skip_first: bool = True) -> None:
@@ -149,8 +149,8 @@ class StepCostModel:
     def _first_of_shape(self, kind: str, *shape: int) -> bool:
         """Whether this is the engine's first step of this shape. Such a step carries one-time
         costs: the drafter's first metadata and KV-group builds, oneDNN's primitives for a new
-        matrix shape on CPU. On this project's CPU they made the first draft steps of the
-        embedded model 5-10x longer than the later ones (docs/benchmarks.md, "Do no harm"), and a
+        matrix shape on CPU. On the CPU they make the first draft steps of the
+        embedded model several times longer than the later ones, and a
         line fitted to them judged every self-draft too dear to ever try again."""
         key = (kind, *shape)
         if key in self._seen:

@@ -17,7 +17,7 @@ class PlainReference:
     verification steps bent the line up), a decayed mean over plain cycles. The target line alone
     sees only forwards, and a cost that every speculative step carries (the rejection sampler,
     say) raises it at the plain batch size too, so speculation measured against it looks better
-    than it is (docs/benchmarks.md, "The safety net against measured plain cycles")."""
+    than it is (docs/architecture.md, "The goodput controller", the safety net)."""
 
     DECAY = 0.9
     #: a cycle this many times longer than predicted held an idle gap (no requests): not a sample
@@ -88,8 +88,8 @@ class SafetyNet:
 
     #: the range of the time calibration. Below 1 it says the cost model prices these steps
     #: dearer than whole cycles measure them; lookup steps sat at a floor of 0.8 for whole runs
-    #: at batch 1 and 8 on this project's CPU, but a floor of 0.5 made `auto` draft more at batch
-    #: 8 and lose (docs/benchmarks.md, "Pricing verification"): a cycle's cost is not all a
+    #: at batch 1 and 8 on the CPU, but a floor of 0.5 made `auto` draft more at batch
+    #: 8 and lose: a cycle's cost is not all a
     #: closed batch pays for its drafts
     TIME_CALIBRATION = (0.8, 4.0)
 
@@ -144,7 +144,7 @@ class SearchBudget:
     seconds (steps and searches together), both as sums decayed per step, so old searches fade and a burst cannot spend
     credit saved up over an idle hour. 2%: a method must stay within 3% of plain decoding when
     its drafts do not pay, and the speculative path's own per-step work already takes part of that
-    (docs/benchmarks.md, "Goodput"). Example: at 40 ms a step and 0.6 s a search, a 2% budget
+    (docs/architecture.md, "The goodput controller"). Example: at 40 ms a step and 0.6 s a search, a 2% budget
     allows one search in about 735 steps once the sums are settled. ``allows(share)`` asks
     against another share (the controller's ``feedback_share``: less while no self-draft is
     chosen)."""

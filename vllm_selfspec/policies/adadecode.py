@@ -40,7 +40,7 @@ class AdaDecodePolicy(Policy):
     common_defaults = {"num_speculative_tokens": 5, "draft_vocab_size": "auto"}
     #: every draft walk evaluates a head at each exit it passes, so the head's cost counts more
     #: than for other methods: 4096 tokens measured faster than 8192 at the same acceptance
-    #: (docs/benchmarks.md, "AdaDecode")
+    #: (docs/methods.md, "`adadecode`")
     auto_draft_vocab_size = 4096
     #: the engine drafts with the deferred-layer schedule and resumes the rows in the next target
     #: forward (engine/adadecode.py) instead of drafting with a layer plan

@@ -12,7 +12,7 @@ speculative loop over one shared paged KV cache).
 Within a round a draft token exits no deeper than the previous one did (the first token may
 use every exit): a deeper exit would attend, in the layers past the previous token's exit, to KV
 slots that token never wrote (letting them go deeper halved acceptance on the embedded model:
-docs/benchmarks.md, "Cascade"). The round ends at the first token with no confident exit up to that
+docs/methods.md, "`cascade`"). The round ends at the first token with no confident exit up to that
 cap. The engine runs the rows of one draft step together, layer by layer, and goes deeper only
 while some row is still undecided (rows that exited ride along; memory-bound steps cost little
 more per row).

@@ -20,7 +20,7 @@ Per request and per round:
   shadow tokens that cleared ``τ_ℓ`` and ``a_ℓ`` the acceptance among them, a round emits
   ``1 + Σ_{i≤d} (β a)^i`` tokens for ``Σ_{i<d} β^i`` draft steps (the failing token's step is
   paid); β = 1 is the paper's formula. Without it, rounds whose first draft token is usually
-  below ``τ`` pay a draft step for nothing (docs/benchmarks.md, "DEL").
+  below ``τ`` pay a draft step for nothing (docs/methods.md, "`del`").
   Once a layer has drafted for real, β is the decayed pass rate of its real draft steps (read
   from how many drafts the last round kept), not the shadow estimate.
   ``cost``: ``"layers"`` is the paper's TPL with the LM head counted as the ``h`` layers its weights
@@ -161,7 +161,7 @@ class DELPolicy(Policy):
         "heads": "auto",
     }
     # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
-    # faster with trained heads: docs/benchmarks.md, "Cheap draft steps")
+    # faster with trained heads: docs/methods.md, "Cheap draft steps")
     common_defaults = {
         "num_speculative_tokens": 18,
         "capture_tokens": 8,

@@ -10,7 +10,7 @@ Per request:
   preemption) restarts the history. The full model's states after each sub-layer, which the DP
   compares against, are computed inside the search (one more member of each batched sub-layer
   call, over the request's KV cache) rather than captured at every layer of every target forward:
-  that capture cost 3-6% of the target's step at batch 16 on the CPU (docs/benchmarks.md), while
+  that capture cost 3-6% of the target's step at batch 16 on the CPU (docs/methods.md, "`knapspec`"), while
   the search runs once per ``interval`` steps.
 * **Optimisation** every ``interval`` steps (T), at the first step, and whenever the context has
   grown enough that the knapsack weights (w_attn, w_mlp) at the current length change: the engine
@@ -74,7 +74,7 @@ class KnapSpecPolicy(Policy):
     options = {"interval": 64, "history_rounds": 5, "tau": 0.5, "min_confidence": 0.7}
     #: D = 10 (the paper's); 16 prompt rows seed the first search (its cost grows with the rows)
     # draft_vocab_size "auto": the reduced draft vocabulary when the model has a map (measured
-    # faster: docs/benchmarks.md, "Cheap draft steps")
+    # faster: docs/methods.md, "Cheap draft steps")
     common_defaults = {
         "num_speculative_tokens": 10,
         "capture_tokens": 16,

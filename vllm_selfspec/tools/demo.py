@@ -4,7 +4,7 @@ Each engine runs in its own process (the bench workers, both live at once, the t
 back), with the same settings, in vLLM's default mode (compiled; ``--eager``: both eager), and
 greedy decoding, one request at a time: the latency a single
 user sees, where speculative decoding is for (at larger batch sizes the goodput controller drafts
-less, down to nothing: docs/benchmarks.md). Prints both texts, tokens/s, acceptance and whether
+less, down to nothing: docs/performance.md). Prints both texts, tokens/s, acceptance and whether
 the tokens are identical.
 """
 
