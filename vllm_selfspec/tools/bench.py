@@ -13,7 +13,7 @@ the group, so none always runs first). Before its repeats, each engine runs the 
 once untimed (the warm-up; the engines of a group load together but warm up one at a time), and
 each timed run starts from an empty prefix cache. A method's speedup is the median over repeats of its
 tokens/s over vanilla's tokens/s of the same repeat, so a machine whose speed drifts within
-seconds to minutes (docs/benchmarks.md, "The machine's speed drifts, fast") moves both alike.
+seconds to minutes (docs/performance.md, "How a figure is made") moves both alike.
 Each slice also gives a paired ratio of its own; their median and a 90% bootstrap interval of it
 (``median_interval``) are the run's noise band beside the speedup.
 Writes ``OUT/results.json``, ``OUT/results.md`` and ``OUT/speedup.png``; each worker's log goes
@@ -60,8 +60,8 @@ METHOD_DEFAULTS: dict[str, dict | None] = {
     # vLLM's suffix decoding (ArcticInference's suffix trees) with vLLM's defaults: needs the
     # module arctic_inference.suffix_decoding (scripts/install_suffix_decoding.sh; make does it)
     "suffix": {"method": "suffix"},
-    # the best static LS(E-γ) found on the embedded model (docs/benchmarks.md): E = 28 of its 30
-    # layers; on any model, two layers short of the full model (method_configs)
+    # LS(E-γ) two layers short of the full model: E = 28 of the embedded model's 30
+    # (docs/methods.md, "layerskip"; method_configs)
     "layerskip": {"method": "layerskip", "num_speculative_tokens": 1},
 }
 #: a label's own engine settings, in its --method-config entry: {"vanilla-eager": {"method":
