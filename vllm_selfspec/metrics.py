@@ -59,6 +59,10 @@ COUNTERS = {
         "unverified_tokens",
         "Tokens emitted from early exits WITHOUT verification (cascade lossy mode only).",
     ),
+    "invalid_draft_rows": (
+        "invalid_draft_rows",
+        "Draft rows with non-finite logits (NaN or inf), which drafted nothing.",
+    ),
     "unconfident_walks": (
         "unconfident_walks",
         "AdaDecode: draft walks that found no confident head (each ends its round).",
