@@ -94,7 +94,7 @@ def test_goodput_and_lookup_round_trip():
     assert not cfg.goodput and cfg.lookup == {
         "max_ngram": 3,
         "min_ngram": 1,
-        "shared": True,
+        "shared": "tenant",
         "datastore": "auto",
     }
     assert SelfSpecConfig.load(cfg.to_dict()) == cfg

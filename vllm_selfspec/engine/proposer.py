@@ -39,7 +39,7 @@ from ..goodput import (
     prefer_free,
 )
 from ..heads import identity_from_tensors, load_heads
-from ..lookup import ContextIndex, SharedIndex
+from ..lookup import ContextIndex, SharedIndex, TenantView
 from ..policies import DraftDecision, Feedback
 from ..vocab import load_generations, load_vocab
 from .adadecode import DeferredEngine
@@ -140,6 +140,10 @@ class SelfSpecProposer:
         self.lookup = self.config.lookup
         self._indexes: dict[str, ContextIndex] = {}
         self._prompt_lens: dict[str, int] = {}
+        #: whose finished outputs a request drafts from ("tenant", "global", "off"; lookup.py),
+        #: and per request what of the shared index it sees (its tenant's outputs, datastore)
+        self.sharing = self.lookup.get("shared", "off")
+        self._views: dict[str, TenantView] = {}
         #: the outputs of finished requests (identical on every TP rank: same requests, order)
         #: and the datastore's sequences (the model's corpus generations), pinned; loaded with the
         #: model, where the target's identity can be checked
@@ -188,7 +192,7 @@ class SelfSpecProposer:
             self._load_heads(target_model, heads_path)
         if self.config.draft_vocab_size is not None:
             self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
-        if self.lookup.get("shared") or self.lookup.get("datastore"):
+        if self.sharing != "off" or self.lookup.get("datastore"):
             store = self.lookup.get("datastore")
             pinned = load_generations(store, expect=self._identity()) if store else ()
             self.shared_index = SharedIndex(
@@ -244,8 +248,9 @@ class SelfSpecProposer:
         self._rates.pop(req_id, None)
         index = self._indexes.pop(req_id, None)
         prompt_len = self._prompt_lens.pop(req_id, None)
-        if index is not None and self.shared_index is not None and self.lookup.get("shared"):
-            self.shared_index.add(index.tokens[prompt_len:])
+        view = self._views.pop(req_id, None)
+        if index is not None and view is not None and self.sharing != "off":
+            self.shared_index.add(index.tokens[prompt_len:], view.tenant)
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
         self._pending_q.pop(req_id, None)
@@ -496,9 +501,14 @@ class SelfSpecProposer:
                 self.lookup["max_ngram"], self.lookup["min_ngram"]
             )
             self._prompt_lens[req_id] = int(ib.num_prompt_tokens[i])
+            if self.shared_index is not None:
+                tenant = (
+                    compat.request_tenant(self.runner, req_id) if self.sharing == "tenant" else ""
+                )
+                self._views[req_id] = self.shared_index.view(tenant)
         if len(index) < n:
             index.extend(ib.token_ids_cpu[i, len(index) : n].tolist())
-        return index.propose(room, self.shared_index)
+        return index.propose(room, self._views.get(req_id))
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
         """Per request its option for this step: its policy's self-draft, or the free lookup
