@@ -157,3 +157,22 @@ def test_cascade_feedback_carries_the_round_steps_and_counts_accepted_exits():
     fb = Feedback(0, 0, 11)  # no round of its own this step
     drafter.verified("a", 0, 0, [4], fb)
     assert fb.cascade_steps is None
+
+
+def test_the_drafting_peak_is_allocated_for_the_start_up_profile():
+    """vLLM runs no dummy step of a custom drafter: the proposer allocates its largest step
+    (all sampled, max_num_seqs requests, k drafts each) while vLLM's profile measures."""
+    from vllm_selfspec.engine.proposer import SelfSpecProposer
+
+    fake = SimpleNamespace(
+        executor=SimpleNamespace(vocab_ids=torch.arange(32)),
+        info=SimpleNamespace(vocab_size=100, hidden_size=8),
+        vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)),
+        k=3,
+        capture_layers=[2, 5],
+        capture_tokens=16,
+        runner=SimpleNamespace(device=torch.device("cpu")),
+    )
+    got = SelfSpecProposer.reserve_peak_memory(fake)
+    floats = 4 * 3 * 100 + 12 * 100 + 2 * 4 * 32 + 4 * 100 + 2 * 64 * 8 + 2 * 64 * 32
+    assert got == 4 * floats

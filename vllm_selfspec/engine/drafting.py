@@ -55,6 +55,39 @@ def finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return valid, torch.where(valid[:, None], logits, torch.zeros((), dtype=logits.dtype))
 
 
+def peak_shapes(
+    max_seqs: int,
+    k: int,
+    vocab: int,
+    draft_vocab: int,
+    hidden: int,
+    capture_layers: int,
+    capture_tokens: int,
+    chunk_rows: int,
+) -> list[tuple[int, ...]]:
+    """The float32 tensors one engine step of drafting may hold at once, at its largest
+    (``max_seqs`` requests, all sampled, each drafting ``k``):
+
+    * the q of every draft step of the sampled requests, [max_seqs, k, vocab] (the proposer's
+      ``probs``), and the q handed to the rejection sampler at verification, [max_seqs * k,
+      vocab];
+    * one draft step's logits and their softmax over the draft vocabulary, and that q over the
+      full vocabulary;
+    * with shadow tokens: the captured rows, [layers, max_seqs * capture_tokens, hidden], and a
+      projected chunk's logits and softmax.
+
+    >>> peak_shapes(2, 3, 10, 4, 8, capture_layers=0, capture_tokens=4, chunk_rows=256)
+    [(2, 3, 10), (6, 10), (2, 4), (2, 4), (2, 10)]
+    """
+    shapes = [(max_seqs, k, vocab), (max_seqs * k, vocab)]
+    shapes += [(max_seqs, draft_vocab), (max_seqs, draft_vocab), (max_seqs, vocab)]
+    if capture_layers:
+        rows = max_seqs * capture_tokens
+        shapes += [(capture_layers, rows, hidden)]
+        shapes += [(min(rows, chunk_rows), draft_vocab)] * 2
+    return shapes
+
+
 @dataclass
 class RoundStart:
     """What every draft round starts from, for the ``active`` requests of one step."""

@@ -42,9 +42,10 @@ from ..heads import identity_from_tensors, load_heads
 from ..lookup import ContextIndex, SharedIndex, TenantView
 from ..policies import DraftDecision, Feedback
 from ..vocab import load_generations, load_vocab
+from . import shadow
 from .adadecode import DeferredEngine
 from .cascade import CascadeDrafter
-from .drafting import DraftContext, Drafter
+from .drafting import DraftContext, Drafter, peak_shapes
 from .executor import PlanExecutor
 from .feature import FeatureDrafter
 from .knapsack_forward import KnapsackForward, latency_model
@@ -262,6 +263,30 @@ class SelfSpecProposer:
         (vllm_selfspec.forget_outputs)."""
         if self.shared_index is not None:
             self.shared_index.forget()
+
+    def reserve_peak_memory(self) -> int:
+        """Allocate, then free, the largest tensors one step of drafting holds at once at
+        ``max_num_seqs`` requests (``drafting.peak_shapes``); returns their bytes. vLLM's
+        start-up profile (``profile_run``, which measures the peak allocation while it runs)
+        then leaves room for them: vLLM runs no dummy step of a ``custom_class`` drafter, so
+        without this a full batch of sampled requests could run out of memory after start-up
+        said it fits."""
+        ex = self.executor
+        vocab = self.info.vocab_size
+        shapes = peak_shapes(
+            max_seqs=self.vllm_config.scheduler_config.max_num_seqs,
+            k=self.k,
+            vocab=vocab,
+            draft_vocab=vocab if ex.vocab_ids is None else int(ex.vocab_ids.numel()),
+            hidden=self.info.hidden_size,
+            capture_layers=len(self.capture_layers),
+            capture_tokens=self.capture_tokens,
+            chunk_rows=shadow.CHUNK_ROWS,
+        )
+        held = [torch.empty(s, dtype=torch.float32, device=self.runner.device) for s in shapes]
+        total = sum(t.numel() * t.element_size() for t in held)
+        del held
+        return total
 
     def draft_probs(self, req_ids: list[str], spec_decode_metadata) -> torch.Tensor | None:
         """q of every draft token verified now, in the rejection sampler's order (vLLM's runner
