@@ -214,22 +214,60 @@ class TenantView:
         return own
 
 
-class ContextIndex(NGramTable):
-    """The n-grams of one request's tokens and what followed each (see the module docstring)."""
+#: the most recent positions of a request's tokens its index counts: older ones are taken back
+#: as new ones arrive, so the index of a long context holds at most this many positions' n-grams
+INDEX_WINDOW = 8192
+#: the most positions one ``extend`` counts: a long prompt is indexed from its end back, over
+#: several engine steps, instead of stalling the step that admits it
+INDEX_BUDGET = 2048
 
-    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+
+class ContextIndex(NGramTable):
+    """The n-grams of one request's tokens and what followed each (see the module docstring),
+    over its last ``window`` positions, counting at most ``budget`` positions per ``extend``.
+
+    The positions counted are always one contiguous range ``[lo, hi)`` ending at the newest
+    token once the index has caught up: new tokens are counted as they arrive (a decode step
+    adds a few), and what is left of a long prompt is counted from the end back, ``budget`` at
+    a time. A position's order of counting does not change any count, so the index that has
+    caught up equals one built token by token."""
+
+    def __init__(
+        self, max_n: int = 4, min_n: int = 1, window: int = INDEX_WINDOW, budget: int = INDEX_BUDGET
+    ) -> None:
         super().__init__(max_n, min_n)
         self.tokens: list[int] = []
+        self.window, self.budget = window, budget
+        self.lo = self.hi = 0  # the positions counted: [lo, hi)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, new: Sequence[int]) -> None:
-        """Append tokens; each becomes the follower of the n-grams that end just before it."""
+        """Append tokens, then count up to ``budget`` positions: the newest first, then back
+        towards the window's start; positions that left the window are taken back."""
         toks = self.tokens
-        for t in new:
-            toks.append(int(t))
-            self._count(toks, len(toks) - 1, +1)
+        toks.extend(int(t) for t in new)
+        n, left = len(toks), self.budget
+        start = max(0, n - self.window)  # the window's first position
+        if n - self.hi > left:  # too many new positions to count now: start again at the end
+            self._take_back(self.lo, self.hi)
+            self.lo = self.hi = n - left
+        for end in range(self.hi, n):  # the new positions
+            self._count(toks, end, +1)
+        left -= n - self.hi
+        self.hi = n
+        if self.lo < start:  # positions that left the window
+            self._take_back(self.lo, min(start, self.hi))
+            self.lo = max(start, self.lo)
+        back = max(start, self.lo - left)  # then back towards the window's start
+        for end in range(back, self.lo):
+            self._count(toks, end, +1)
+        self.lo = min(self.lo, back)
+
+    def _take_back(self, lo: int, hi: int) -> None:
+        for end in range(lo, hi):
+            self._count(self.tokens, end, -1)
 
     def propose(
         self, k: int, shared: NGramTable | TenantView | None = None

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from vllm_selfspec.goodput import Candidate, prefer_free
-from vllm_selfspec.lookup import ContextIndex, SharedIndex, check_options
+from vllm_selfspec.lookup import (
+    INDEX_BUDGET,
+    INDEX_WINDOW,
+    ContextIndex,
+    SharedIndex,
+    check_options,
+)
 
 
 def brute_next(tokens, context, max_n, min_n):
@@ -253,3 +259,59 @@ def test_the_tenant_of_a_request():
     assert compat.request_tenant(runner({"other": 1}, lora="sql"), "r") == "lora:sql"
     assert compat.request_tenant(runner(), "r") == ""
     assert compat.request_tenant(runner(), "gone") == ""
+
+
+def counts_of(table) -> dict:
+    return {k: {t: e[0] for t, e in v.items()} for k, v in table.follow.items()}
+
+
+def window_reference(tokens, start, max_n=4, min_n=1):
+    """An index counting exactly the positions ``start..`` of ``tokens``."""
+    ref = ContextIndex(max_n, min_n, window=10**9, budget=10**9)
+    ref.tokens = list(tokens)
+    for end in range(start, len(tokens)):
+        ref._count(ref.tokens, end, +1)
+    return ref
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_long_prompt_is_indexed_within_the_budget_and_catches_up(seed):
+    """A prompt far longer than the per-step budget costs each step at most ``budget``
+    positions (the first step counts its end, where a draft matches first); once caught up,
+    the counts are those of the window's positions, as if built token by token."""
+    rng = random.Random(seed)
+    window, budget = rng.choice([(64, 16), (100, 7), (50, 50)])
+    tokens = [rng.randrange(6) for _ in range(rng.randint(1, 400))]
+    index = ContextIndex(4, 1, window=window, budget=budget)
+    counted = []
+    real = index._count
+    index._count = lambda toks, end, delta: (counted.append(delta), real(toks, end, delta))[1]
+    index.extend(tokens)
+    steps = 1
+    while index.lo > max(0, len(tokens) - window):
+        assert counted.count(+1) <= budget
+        counted.clear()
+        index.extend([rng.randrange(6)])  # a decode step's token
+        tokens = index.tokens
+        steps += 1
+    assert counts_of(index) == counts_of(window_reference(tokens, max(0, len(tokens) - window)))
+    for _ in range(3 * window):  # decoding on: the window slides, old positions taken back
+        index.extend([rng.randrange(6) for _ in range(rng.randint(1, 3))])
+    start = max(0, len(index.tokens) - window)
+    assert (index.lo, index.hi) == (start, len(index.tokens))
+    assert counts_of(index) == counts_of(window_reference(index.tokens, start))
+
+
+def test_a_64k_token_prompt_costs_one_step_a_budget_of_positions():
+    """The step that admits a 64k-token prompt counts ``INDEX_BUDGET`` positions of it, not
+    65,536 (the whole prompt once took hundreds of MB inside one engine step); its index never
+    holds more than the window's n-grams."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(5000) for _ in range(65536)]
+    index = ContextIndex(4, 1)
+    index.extend(prompt)
+    assert index.hi - index.lo == INDEX_BUDGET
+    assert len(index.follow) <= 4 * INDEX_BUDGET
+    while index.lo > len(index.tokens) - INDEX_WINDOW:
+        index.extend([1])
+    assert len(index.follow) <= 4 * (INDEX_WINDOW + 64)
