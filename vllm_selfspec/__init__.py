@@ -24,7 +24,7 @@ def get_stats(llm, reset: bool = False) -> dict:
 
 
 def forget_outputs(llm) -> None:
-    """Empty context lookup's shared index of finished requests' outputs (``"shared": true``).
+    """Empty context lookup's shared index of finished requests' outputs (every tenant's).
 
     The benchmark calls it before each repeat: a repeat of the same prompts would otherwise
     draft from the previous repeat's outputs, which no real workload offers."""

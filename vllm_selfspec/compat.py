@@ -57,6 +57,8 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   scheduled_spec_decode_tokens}``,                       verification outcomes; context lookup's
   ``input_batch.num_prompt_tokens``,                      shared index (outputs only) and its
   ``sampling_metadata.{all_greedy, temperature}``         point-mass q for sampled requests
+``runner.requests[id].{sampling_params.extra_args,      a request's tenant (context lookup's
+  lora_request.lora_name}``                              shared outputs, ``request_tenant``)
 ``sampling_metadata.generators`` (rows of seeded          those rows draft nothing (reproducible);
   sampled requests), ``runner.requests[id]               drafts end before min_tokens (the bonus
   .sampling_params.min_tokens``                          token's EOS mask, vLLM issue #41758)
@@ -489,6 +491,25 @@ def broadcast_from_tp_rank0(obj):
 
     group = get_tp_group()
     return obj if group.world_size == 1 else group.broadcast_object(obj, src=0)
+
+
+#: the request field naming a request's tenant for context lookup's shared outputs
+#: (``"shared": "tenant"``): the OpenAI server's ``vllm_xargs`` reach ``SamplingParams.extra_args``
+TENANT_ARG = "selfspec_tenant"
+
+
+def request_tenant(runner, req_id: str) -> str:
+    """The tenant of a request: its ``extra_args[TENANT_ARG]`` (``vllm_xargs``), else its LoRA
+    adapter's name, else "" (the requests that name none form one tenant)."""
+    state = runner.requests.get(req_id)
+    if state is None:
+        return ""
+    extra = getattr(state.sampling_params, "extra_args", None) or {}
+    if extra.get(TENANT_ARG) is not None:
+        return f"x:{extra[TENANT_ARG]}"
+    if state.lora_request is not None:
+        return f"lora:{state.lora_request.lora_name}"
+    return ""
 
 
 def selfspec_options(vllm_config) -> dict | None:

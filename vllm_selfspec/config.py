@@ -52,6 +52,9 @@ COMMON_OPTIONS: dict[str, Any] = {
 AUTO_DRAFT_VOCAB_SIZE = 8192
 #: vLLM's MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py)
 MAX_SPECULATIVE_TOKENS = 128
+#: the most verified-token rows per request and step handed to a policy (``capture_tokens``):
+#: their hidden states are copied per capture layer and projected each step
+MAX_CAPTURE_TOKENS = 256
 #: ``method: "auto"``: context lookup + the strongest self-drafter this model has what it needs
 #: for (``auto_method``), under the goodput controller; it takes only these options
 AUTO = "auto"
@@ -243,8 +246,10 @@ class SelfSpecConfig:
                 f"got {k!r}"
             )
         cap = merged.pop("capture_tokens")
-        if not is_int(cap) or cap < 1:
-            raise SelfSpecConfigError(f"capture_tokens must be a positive integer, got {cap!r}")
+        if not is_int(cap) or not 1 <= cap <= MAX_CAPTURE_TOKENS:
+            raise SelfSpecConfigError(
+                f"capture_tokens must be an integer in [1, {MAX_CAPTURE_TOKENS}], got {cap!r}"
+            )
         n_vocab, vocab = merged.pop("draft_vocab_size"), merged.pop("draft_vocab")
         if n_vocab not in (None, "auto") and (not is_int(n_vocab) or n_vocab < 1):
             raise SelfSpecConfigError(

@@ -9,12 +9,12 @@ request's last n tokens. ``ContextIndex`` goes further, in the manner of SuffixD
 * a draft is a walk: at each position the longest n-gram ending there that was seen before
   proposes its most frequent follower (the latest one on ties), and the walk continues from the
   drafted token, so a draft can follow a repeated pattern past the end of its first match;
-* beside the request's own index, ``SharedIndex`` holds the outputs of recently finished requests
-  (bounded; ``"shared": true``) and, pinned, a *datastore*: the model's own greedy generations on
-  an offline corpus (``"datastore"``: the draft-vocabulary map's, ``vocab.py``), so a request has
-  the model's habitual phrasing to draft from before any other request has finished. At each
-  position of a walk the longer match of the two indexes proposes (the request's own on ties:
-  its context is the more specific);
+* beside the request's own index, ``SharedIndex`` holds the outputs of recently finished
+  requests of the same tenant (bounded; ``"shared"``: "tenant", "global" or "off") and, pinned,
+  a *datastore*: the model's own greedy generations on an offline corpus (``"datastore"``: the
+  draft-vocabulary map's, ``vocab.py``), so a request has the model's habitual phrasing to draft
+  from before any other request has finished. At each position of a walk the longest match of
+  the indexes proposes (the request's own on ties: its context is the more specific);
 * each draft token carries its *slot*, the length of the match that proposed it (shared-index
   matches in slots of their own): the engine measures acceptance per slot
   (``goodput.AcceptanceTracker``) and the goodput controller decides how many of the tokens to
@@ -37,7 +37,10 @@ from collections.abc import Sequence
 #: lookup options of the config (``"lookup": true`` takes these; a dict overrides them);
 #: ``datastore``: "auto" (the model's cached corpus generations, none if it has no map), null
 #: (none) or a draft-vocabulary directory built with ``vllm-selfspec build-vocab``
-DEFAULTS = {"max_ngram": 4, "min_ngram": 1, "shared": True, "datastore": "auto"}
+#: ``shared``: whose finished outputs a request drafts from besides its own context and the
+#: datastore: "tenant" (its tenant's: ``request_tenant``), "global" (every request's) or "off"
+DEFAULTS = {"max_ngram": 4, "min_ngram": 1, "shared": "tenant", "datastore": "auto"}
+SHARING = ("tenant", "global", "off")
 
 
 def check_options(options) -> dict:
@@ -54,8 +57,14 @@ def check_options(options) -> dict:
     if unknown:
         raise ValueError(f"unknown lookup option(s) {unknown}; allowed: {sorted(DEFAULTS)}")
     merged = {**DEFAULTS, **options}
-    if not isinstance(merged["shared"], bool):
-        raise ValueError(f"lookup: shared must be true or false, got {merged['shared']!r}")
+    shared = merged["shared"]
+    if isinstance(shared, bool):  # true: the default sharing, false: none
+        merged["shared"] = DEFAULTS["shared"] if shared else "off"
+    elif shared not in SHARING:
+        raise ValueError(
+            f"lookup: shared must be one of {', '.join(map(repr, SHARING))} (or true / false), "
+            f"got {shared!r}"
+        )
     store = merged["datastore"]
     if store is not None and not (isinstance(store, str) and store):
         raise ValueError(
@@ -123,10 +132,19 @@ class NGramTable:
         return None
 
 
-class SharedIndex(NGramTable):
-    """The outputs of recently finished requests (SuffixDecoding's global tree, kept as n-gram
-    counts) and the ``pinned`` datastore sequences. Bounded: past ``capacity`` tokens the oldest
-    outputs are forgotten (their counts taken back); pinned ones stay."""
+class SharedIndex:
+    """What a request may draft from beyond its own context: the ``pinned`` datastore sequences,
+    and the outputs of recently finished requests of its *tenant* (SuffixDecoding's global
+    tree, kept as n-gram counts, one table per tenant). Bounded: past ``capacity`` tokens over
+    all tenants the oldest outputs are forgotten (their counts taken back); pinned ones stay.
+
+    A request sees one tenant's outputs and the datastore (``view(tenant)``): where both
+    match, the longer match proposes (the tenant's outputs on ties: they are recent). One
+    tenant's outputs are never proposed to another's requests, so acceptance (a streamed
+    multi-token chunk, the shared-lookup counter) says nothing about what another tenant
+    generated. ``"tenant"`` sharing keys outputs by the request's tenant, ``"global"`` puts
+    every output under one key (every request sees every other's), ``"off"`` adds none.
+    """
 
     def __init__(
         self,
@@ -135,54 +153,124 @@ class SharedIndex(NGramTable):
         capacity: int = 100_000,
         pinned: Sequence[Sequence[int]] = (),
     ) -> None:
-        super().__init__(max_n, min_n)
+        self.max_n, self.min_n = max_n, min_n
         self.capacity = capacity
-        self.outputs: deque[list[int]] = deque()
-        self.size = 0
+        self.datastore = NGramTable(max_n, min_n)
         for seq in pinned:
             seq = [int(t) for t in seq]
             for end in range(1, len(seq)):
-                self._count(seq, end, +1)
+                self.datastore._count(seq, end, +1)
+        #: tenant -> the n-gram counts of its requests' outputs (dropped once empty)
+        self.tables: dict[str, NGramTable] = {}
+        #: (tenant, output) of every output counted, oldest first, over all tenants
+        self.outputs: deque[tuple[str, list[int]]] = deque()
+        self.size = 0
+
+    def view(self, tenant: str = "") -> TenantView:
+        """What a request of ``tenant`` drafts from: its tenant's outputs and the datastore."""
+        return TenantView(self, tenant)
 
     def forget(self) -> None:
         """Take back every output added (the pinned sequences stay)."""
-        while self.outputs:
-            old = self.outputs.popleft()
-            for end in range(1, len(old)):
-                self._count(old, end, -1)
+        self.tables.clear()
+        self.outputs.clear()
         self.size = 0
 
-    def add(self, tokens: Sequence[int]) -> None:
+    def add(self, tokens: Sequence[int], tenant: str = "") -> None:
+        """Count a finished request's output under its tenant."""
         tokens = [int(t) for t in tokens][-self.capacity :]
+        table = self.tables.get(tenant)
+        if table is None:
+            table = self.tables[tenant] = NGramTable(self.max_n, self.min_n)
         for end in range(1, len(tokens)):
-            self._count(tokens, end, +1)
-        self.outputs.append(tokens)
+            table._count(tokens, end, +1)
+        self.outputs.append((tenant, tokens))
         self.size += len(tokens)
         while self.size > self.capacity:
-            old = self.outputs.popleft()
+            who, old = self.outputs.popleft()
             self.size -= len(old)
+            table = self.tables[who]
             for end in range(1, len(old)):
-                self._count(old, end, -1)
+                table._count(old, end, -1)
+            if not table.follow:
+                del self.tables[who]
+
+
+class TenantView:
+    """``SharedIndex`` as one tenant's requests see it: ``next`` like an ``NGramTable``'s."""
+
+    def __init__(self, shared: SharedIndex, tenant: str) -> None:
+        self.shared, self.tenant = shared, tenant
+
+    def next(self, context: Sequence[int]) -> tuple[int, int] | None:
+        table = self.shared.tables.get(self.tenant)
+        own = table.next(context) if table is not None else None
+        if own is not None and own[1] >= self.shared.max_n:
+            return own
+        store = self.shared.datastore.next(context)
+        if store is not None and (own is None or store[1] > own[1]):
+            return store
+        return own
+
+
+#: the most recent positions of a request's tokens its index counts: older ones are taken back
+#: as new ones arrive, so the index of a long context holds at most this many positions' n-grams
+INDEX_WINDOW = 8192
+#: the most positions one ``extend`` counts: a long prompt is indexed from its end back, over
+#: several engine steps, instead of stalling the step that admits it
+INDEX_BUDGET = 2048
 
 
 class ContextIndex(NGramTable):
-    """The n-grams of one request's tokens and what followed each (see the module docstring)."""
+    """The n-grams of one request's tokens and what followed each (see the module docstring),
+    over its last ``window`` positions, counting at most ``budget`` positions per ``extend``.
 
-    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+    The positions counted are always one contiguous range ``[lo, hi)`` ending at the newest
+    token once the index has caught up: new tokens are counted as they arrive (a decode step
+    adds a few), and what is left of a long prompt is counted from the end back, ``budget`` at
+    a time. A position's order of counting does not change any count, so the index that has
+    caught up equals one built token by token."""
+
+    def __init__(
+        self, max_n: int = 4, min_n: int = 1, window: int = INDEX_WINDOW, budget: int = INDEX_BUDGET
+    ) -> None:
         super().__init__(max_n, min_n)
         self.tokens: list[int] = []
+        self.window, self.budget = window, budget
+        self.lo = self.hi = 0  # the positions counted: [lo, hi)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, new: Sequence[int]) -> None:
-        """Append tokens; each becomes the follower of the n-grams that end just before it."""
+        """Append tokens, then count up to ``budget`` positions: the newest first, then back
+        towards the window's start; positions that left the window are taken back."""
         toks = self.tokens
-        for t in new:
-            toks.append(int(t))
-            self._count(toks, len(toks) - 1, +1)
+        toks.extend(int(t) for t in new)
+        n, left = len(toks), self.budget
+        start = max(0, n - self.window)  # the window's first position
+        if n - self.hi > left:  # too many new positions to count now: start again at the end
+            self._take_back(self.lo, self.hi)
+            self.lo = self.hi = n - left
+        for end in range(self.hi, n):  # the new positions
+            self._count(toks, end, +1)
+        left -= n - self.hi
+        self.hi = n
+        if self.lo < start:  # positions that left the window
+            self._take_back(self.lo, min(start, self.hi))
+            self.lo = max(start, self.lo)
+        back = max(start, self.lo - left)  # then back towards the window's start
+        for end in range(back, self.lo):
+            self._count(toks, end, +1)
+        self.lo = min(self.lo, back)
 
-    def propose(self, k: int, shared: NGramTable | None = None) -> tuple[list[int], list[int]]:
+    def _take_back(self, lo: int, hi: int) -> None:
+        for end in range(lo, hi):
+            self._count(self.tokens, end, -1)
+
+    def propose(
+        self, k: int, shared: NGramTable | TenantView | None = None
+    ) -> tuple[list[int], list[int]]:
         """Up to ``k`` draft tokens continuing the sequence, with each one's *slot*: its match
         length n in this request's context, or ``max_n + n`` where the ``shared`` index (other
         requests' outputs, the datastore) had the longer match."""

@@ -10,7 +10,9 @@ How the pull works: the plugin registers one collector in the API server process
 Prometheus registry (the one vLLM's ``/metrics`` serves) when an ``AsyncLLM`` with a selfspec
 config is created. vLLM serves ``GET /metrics`` from a worker thread, so the collector waits there
 for the RPC on the server's event loop (timeout ``RPC_TIMEOUT_S``); called on the event loop itself
-it cannot wait, so it serves the last snapshot and schedules a refresh. With several API server
+it cannot wait, so it serves the last snapshot and schedules a refresh. Pulls are coalesced: a
+scrape within ``SNAPSHOT_MAX_AGE_S`` of the last pull gets its snapshot, and concurrent scrapes
+share one RPC, so a flood of scrapes cannot put calls between every engine step. With several API server
 processes (``--api-server-count > 1``) vLLM switches to multiprocess Prometheus mode, which only
 exports metrics files: selfspec's metrics are then absent (use ``get_stats`` or one API server).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +39,9 @@ logger = logging.getLogger(compat.LOGGER_NAME)
 
 PREFIX = "vllm:selfspec_"
 RPC_TIMEOUT_S = 10.0
+#: a scrape within this many seconds of the last pull is served its snapshot: a flood of scrapes
+#: costs the engine one RPC (between two steps) per this long, whatever their number
+SNAPSHOT_MAX_AGE_S = 2.0
 TIME_PARTS = ("draft", "verify", "policy", "shadow", "optimise", "controller")
 
 #: counters: stats key -> (metric name without prefix and "_total", documentation)
@@ -58,6 +64,10 @@ COUNTERS = {
     "unverified_tokens": (
         "unverified_tokens",
         "Tokens emitted from early exits WITHOUT verification (cascade lossy mode only).",
+    ),
+    "invalid_draft_rows": (
+        "invalid_draft_rows",
+        "Draft rows with non-finite logits (NaN or inf), which drafted nothing.",
     ),
     "unconfident_walks": (
         "unconfident_walks",
@@ -259,8 +269,11 @@ class SelfSpecCollector:
         self._labels: dict[str, str] = {}
         self._num_layers = self._max_draft = 0
         self._snapshot: dict[str, Any] = {}
+        self._taken = -float("inf")  # time.monotonic() of the last pull (or failed attempt)
+        self.max_age_s = SNAPSHOT_MAX_AGE_S
         self._refreshing = False
         self._lock = threading.Lock()
+        self._pulling = threading.Lock()  # one RPC at a time; concurrent scrapes share it
 
     def follow(
         self,
@@ -275,6 +288,10 @@ class SelfSpecCollector:
             self._loop, self._labels = loop, labels
             self._num_layers, self._max_draft = num_layers, max_draft
             self._snapshot = {}
+            self._taken = -float("inf")
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._taken < self.max_age_s
 
     def describe(self) -> list:  # no fixed names: registering never calls collect()
         return []
@@ -284,10 +301,11 @@ class SelfSpecCollector:
         yield from families(stats, self._labels, self._num_layers, self._max_draft)
 
     def refresh(self) -> dict[str, Any]:
-        """Fresh stats when called off the event loop; else the last snapshot (and a refresh
-        scheduled on the loop)."""
+        """The stats: the snapshot if it is younger than ``max_age_s``; else, called off the
+        event loop, a fresh pull (one at a time: concurrent scrapes wait for the one running
+        and share its result); called on the loop, the snapshot, with a refresh scheduled."""
         engine, loop = self._engine(), self._loop
-        if engine is None or loop is None or loop.is_closed():
+        if engine is None or loop is None or loop.is_closed() or self._fresh():
             return self._snapshot
         try:
             on_loop = asyncio.get_running_loop() is loop
@@ -298,11 +316,15 @@ class SelfSpecCollector:
                 self._refreshing = True
                 loop.create_task(self._refresh_async(engine))
             return self._snapshot
-        try:
-            fut = asyncio.run_coroutine_threadsafe(self._pull(engine), loop)
-            self._snapshot = fut.result(RPC_TIMEOUT_S + 1)
-        except Exception as e:  # engine busy or gone: keep serving the last numbers
-            logger.debug("vllm-selfspec: stats RPC failed (%r); serving the last snapshot", e)
+        with self._pulling:
+            if self._fresh():  # another scrape pulled while this one waited
+                return self._snapshot
+            try:
+                fut = asyncio.run_coroutine_threadsafe(self._pull(engine), loop)
+                self._snapshot = fut.result(RPC_TIMEOUT_S + 1)
+            except Exception as e:  # engine busy or gone: keep serving the last numbers
+                logger.debug("vllm-selfspec: stats RPC failed (%r); serving the last snapshot", e)
+            self._taken = time.monotonic()  # a failed pull, too, is not retried at once
         return self._snapshot
 
     @staticmethod
@@ -315,6 +337,7 @@ class SelfSpecCollector:
         except Exception as e:
             logger.debug("vllm-selfspec: stats RPC failed (%r)", e)
         finally:
+            self._taken = time.monotonic()
             self._refreshing = False
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cachedir import staged
+
 EMBEDDED_NAME = "smollm2-135m-instruct"
 _DONE = ".selfspec-complete"
 
@@ -156,39 +158,37 @@ def prepare_model(name: str = EMBEDDED_NAME, force: bool = False, progress: bool
     if not progress:
         hf_logging.disable_progress_bar()
     out.parent.mkdir(parents=True, exist_ok=True)
-    # both scratch dirs sit beside the result: the same filesystem (an atomic rename), and an
-    # assembled GGUF never lands in another package's cache
+    # the scratch dir sits beside the result: an assembled GGUF never lands in another
+    # package's cache
     scratch = Path(tempfile.mkdtemp(prefix=f".gguf-{name}-", dir=out.parent))
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
-        steps = tqdm(total=4, desc=f"prepare-model {name}", disable=not progress)
-        steps.set_postfix_str("GGUF")
-        src = spec.locate(spec, scratch)
-        steps.update()
-        steps.set_postfix_str("tokenizer")
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
-        if spec.add_bos_token is not None:
-            tok.add_bos_token = spec.add_bos_token
-        steps.update()
-        steps.set_postfix_str("dequantize weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            src, gguf_file=spec.gguf_file, dtype=torch.float32
-        )
-        steps.update()
-        steps.set_postfix_str("save")
-        # the dequantized weights are plain tensors now: drop the GGUF quantization marker
-        del model.config.quantization_config
-        model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / _DONE).write_text(f"converted from {spec.packages[0]}/{spec.gguf_file}\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # atomic: a half-written checkpoint is never used
+        # written into a temporary beside ``out``, which replaces it atomically when complete:
+        # a half-written checkpoint is never used
+        with staged(out) as tmp:
+            steps = tqdm(total=4, desc=f"prepare-model {name}", disable=not progress)
+            steps.set_postfix_str("GGUF")
+            src = spec.locate(spec, scratch)
+            steps.update()
+            steps.set_postfix_str("tokenizer")
+            tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
+            if spec.add_bos_token is not None:
+                tok.add_bos_token = spec.add_bos_token
+            steps.update()
+            steps.set_postfix_str("dequantize weights")
+            model = AutoModelForCausalLM.from_pretrained(
+                src, gguf_file=spec.gguf_file, dtype=torch.float32
+            )
+            steps.update()
+            steps.set_postfix_str("save")
+            # the dequantized weights are plain tensors now: drop the GGUF quantization marker
+            del model.config.quantization_config
+            model.hf_quantizer = None
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / _DONE).write_text(f"converted from {spec.packages[0]}/{spec.gguf_file}\n")
         steps.update()
         steps.close()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)  # the assembled GGUF (hundreds of MB)
     return out
 

@@ -32,8 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .cachedir import file_sha256, reading, staged
 from .heads.identity import CONFIG_FILE, ModelIdentity, identity_from_tensors, read_saved_config
 from .models import home
 
@@ -130,8 +129,8 @@ def save_vocab(
     corpus: dict[str, Any],
     generations: list[list[int]] | None = None,
 ) -> Path:
-    """Write the map (and the corpus generations, if given: lookup's datastore) atomically: a
-    temp dir renamed over ``out``."""
+    """Write the map (and the corpus generations, if given: lookup's datastore) atomically
+    (``cachedir.staged``), each file's SHA-256 in config.json."""
 
     out = Path(out)
     if counts.numel() != identity.vocab_size:
@@ -142,9 +141,7 @@ def save_vocab(
         "base_model": identity.to_dict(),
         "corpus": corpus,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         order = ranking(counts)
         save_file(
             {"token_ids": order.contiguous(), "counts": counts[order].contiguous()},
@@ -160,12 +157,8 @@ def save_vocab(
                 str(tmp / GENERATIONS_FILE),
                 metadata={"format": FORMAT},
             )
+        config["sha256"] = {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -178,11 +171,16 @@ def load_vocab(path: str | Path, size: int, *, expect: ModelIdentity | None) -> 
     """The ``size`` most frequent token ids [size] int64 (in rank order). ``expect``: the model
     at hand; a map built for another model raises ``HeadsMismatchError``."""
 
+    with reading(path):  # config and files of one version, whichever a writer publishes
+        return _load_vocab(path, size, expect)
+
+
+def _load_vocab(path: str | Path, size: int, expect: ModelIdentity | None) -> torch.Tensor:
     config = read_config(path)
     identity = ModelIdentity.from_dict(config["base_model"])
     if expect is not None:
         identity.check(expect, what=f"the draft vocabulary in {path}")
-    ids = load_file(str(Path(path) / WEIGHTS_FILE))["token_ids"]
+    ids = _load(Path(path), WEIGHTS_FILE, config, "token_ids")["token_ids"]
     V = identity.vocab_size
     if ids.shape != (V,) or not torch.equal(torch.sort(ids).values, torch.arange(V)):
         raise DraftVocabError(f"{path}: token_ids must be a permutation of the {V} token ids")
@@ -191,9 +189,37 @@ def load_vocab(path: str | Path, size: int, *, expect: ModelIdentity | None) -> 
     return ids[:size].clone()
 
 
+def _load(path: Path, name: str, config: dict[str, Any], *keys: str) -> dict[str, torch.Tensor]:
+    """A tensor file of the map's directory, checked against config.json's SHA-256 (when it
+    records one) and for ``keys``: a truncated or replaced file raises ``DraftVocabError``
+    naming it."""
+    f = path / name
+    if not f.is_file():
+        raise DraftVocabError(f"{f}: missing")
+    want = (config.get("sha256") or {}).get(name)
+    if want is not None and file_sha256(f) != want:
+        raise DraftVocabError(
+            f"{f}: its SHA-256 is not the one config.json records (a damaged or replaced file); "
+            f"rebuild it with `vllm-selfspec build-vocab --force`"
+        )
+    try:
+        data = load_file(str(f))
+    except Exception as e:  # safetensors raises its own error types for a truncated file
+        raise DraftVocabError(f"{f}: unreadable ({e})") from e
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise DraftVocabError(f"{f}: missing tensors {missing}")
+    return data
+
+
 def load_generations(path: str | Path, *, expect: ModelIdentity | None) -> list[list[int]]:
     """The model's greedy generations saved with the map at ``path`` (a list of token-id lists).
     ``expect``: the model at hand; generations of another model raise ``HeadsMismatchError``."""
+    with reading(path):  # config and files of one version, whichever a writer publishes
+        return _load_generations(path, expect)
+
+
+def _load_generations(path: str | Path, expect: ModelIdentity | None) -> list[list[int]]:
     config = read_config(path)
     identity = ModelIdentity.from_dict(config["base_model"])
     if expect is not None:
@@ -204,7 +230,7 @@ def load_generations(path: str | Path, *, expect: ModelIdentity | None) -> list[
             f"{path} holds no corpus generations ({GENERATIONS_FILE}); rebuild it with "
             f"`vllm-selfspec build-vocab --force`"
         )
-    data = load_file(str(file))
+    data = _load(Path(path), GENERATIONS_FILE, config, "tokens", "lengths")
     tokens, lengths = data["tokens"].tolist(), data["lengths"].tolist()
     if sum(lengths) != len(tokens) or min(lengths, default=0) < 0:
         raise DraftVocabError(f"{file}: lengths do not add up to the {len(tokens)} tokens")

@@ -146,3 +146,30 @@ def test_requests_with_different_plans_draft_in_one_forward(model_path, vanilla,
     assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"]
     # every round drafts 3 tokens: 3 forwards per engine step, whatever the plans in the batch
     assert stats["draft_forwards"] <= 3 * stats["steps"]
+
+
+def test_a_tenant_never_drafts_from_another_tenants_outputs(model_path):
+    """Context lookup's shared outputs are per tenant (``"shared": "tenant"``, the default): a
+    request of tenant b repeating tenant a's request drafts nothing from a's output, while a
+    second request of a drafts from it. Acceptance of a shared draft would otherwise tell b
+    that a's output held those tokens. The datastore is off, so every shared draft is an
+    output's."""
+    from vllm import SamplingParams
+
+    spec = {"method": "auto", "lookup": {"datastore": None}}
+    prompt = PROMPTS[0]
+
+    def run(llm, tenant):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, extra_args=tenant)
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        return list(out), vllm_selfspec.get_stats(llm, reset=True)
+
+    with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
+        first, _ = run(llm, {"selfspec_tenant": "a"})
+        other, b = run(llm, {"selfspec_tenant": "b"})
+        untagged, none = run(llm, None)
+        same, a = run(llm, {"selfspec_tenant": "a"})
+    assert first == other == untagged == same
+    assert a["lookup_shared_accepted_tokens"] > 0, "the same tenant drafts from its outputs"
+    assert b["lookup_shared_accepted_tokens"] == 0
+    assert none["lookup_shared_accepted_tokens"] == 0

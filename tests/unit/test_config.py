@@ -34,6 +34,8 @@ def test_detection():
         ({"method": "layerskip", "num_speculative_tokens": 200}, "num_speculative_tokens"),
         ({"method": "layerskip", "num_speculative_tokens": True}, "num_speculative_tokens"),
         ({"method": "layerskip", "capture_tokens": 0}, "capture_tokens"),
+        ({"method": "layerskip", "capture_tokens": 257}, r"capture_tokens must be .* \[1, 256\]"),
+        ({"method": "auto", "lookup": {"shared": "yes"}}, "shared must be one of"),
         ({"method": "layerskip", "goodput": "yes"}, "goodput must be true or false"),
         ({"method": "layerskip", "lookup": {"max_ngram": 0}}, "min_ngram <= max_ngram"),
         ({"method": "layerskip", "lookup": {"window": 3}}, "unknown lookup option"),
@@ -94,7 +96,7 @@ def test_goodput_and_lookup_round_trip():
     assert not cfg.goodput and cfg.lookup == {
         "max_ngram": 3,
         "min_ngram": 1,
-        "shared": True,
+        "shared": "tenant",
         "datastore": "auto",
     }
     assert SelfSpecConfig.load(cfg.to_dict()) == cfg

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_selfspec.engine.cascade import CascadeDrafter, CascadeWalks
-from vllm_selfspec.engine.drafting import DraftContext, Drafter
+from vllm_selfspec.engine.drafting import NO_DRAFT, DraftContext, Drafter, finite_rows
 from vllm_selfspec.engine.proposer import DRAFTERS
 from vllm_selfspec.engine.stats import EngineStats
 from vllm_selfspec.plans import LayerPlan
@@ -63,6 +63,32 @@ def test_pick_takes_the_argmax_of_greedy_rows_and_records_q_of_sampled_ones():
         assert not probs[j, 0].any()
     # all greedy: no temperatures at all
     assert ctx.pick(logits, batch_rows, None, None, J, 0).tolist() == [1, 4, 5]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_non_finite_logits_drafts_nothing_and_is_counted(bad):
+    """torch.multinomial raises on NaN and inf: a damaged head or an overflowing draft must not
+    take the engine down. The row's token is NO_DRAFT (its round ends), the other rows draft
+    as before, and the stats count it."""
+    ctx = context(vocab_ids=torch.tensor([4, 1, 5]))
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, bad, 0.0], [0.0, 0.0, 9.0], [bad] * 3])
+    temps = torch.tensor([0.0, 0.5, 1.0, 0.0, 2.0])
+    batch_rows, J = torch.tensor([3, 1, 2, 4]), torch.arange(4)
+    probs = torch.zeros(4, 1, 6)
+    got = ctx.pick(logits, batch_rows, temps, probs, J, step=0).tolist()
+    assert got[0] == 1 and got[2] in (4, 1, 5)
+    assert got[1] == NO_DRAFT and got[3] == NO_DRAFT
+    assert ctx.stats.invalid_draft_rows == 2
+    assert torch.isfinite(probs).all()
+    # all greedy: the argmax of a NaN row would be a token; it is NO_DRAFT too
+    assert ctx.pick(logits, batch_rows, None, None, J, 0).tolist() == [1, NO_DRAFT, 5, NO_DRAFT]
+
+
+def test_finite_rows_keeps_finite_rows_as_they_are():
+    logits = torch.tensor([[1.0, -2.0], [float("nan"), 0.0]])
+    valid, clean = finite_rows(logits)
+    assert valid.tolist() == [True, False]
+    assert torch.equal(clean[0], logits[0]) and torch.equal(clean[1], torch.zeros(2))
 
 
 def test_sampled_drafts_repeat_for_the_same_seed():
@@ -131,3 +157,22 @@ def test_cascade_feedback_carries_the_round_steps_and_counts_accepted_exits():
     fb = Feedback(0, 0, 11)  # no round of its own this step
     drafter.verified("a", 0, 0, [4], fb)
     assert fb.cascade_steps is None
+
+
+def test_the_drafting_peak_is_allocated_for_the_start_up_profile():
+    """vLLM runs no dummy step of a custom drafter: the proposer allocates its largest step
+    (all sampled, max_num_seqs requests, k drafts each) while vLLM's profile measures."""
+    from vllm_selfspec.engine.proposer import SelfSpecProposer
+
+    fake = SimpleNamespace(
+        executor=SimpleNamespace(vocab_ids=torch.arange(32)),
+        info=SimpleNamespace(vocab_size=100, hidden_size=8),
+        vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)),
+        k=3,
+        capture_layers=[2, 5],
+        capture_tokens=16,
+        runner=SimpleNamespace(device=torch.device("cpu")),
+    )
+    got = SelfSpecProposer.reserve_peak_memory(fake)
+    floats = 4 * 3 * 100 + 12 * 100 + 2 * 4 * 32 + 4 * 100 + 2 * 64 * 8 + 2 * 64 * 32
+    assert got == 4 * floats

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_selfspec.cachedir import file_sha256
 from vllm_selfspec.heads import (
     HeadSet,
     HeadsFormatError,
@@ -169,7 +170,8 @@ def test_save_load_round_trip(tmp_path, model, kind):
     ident = identity_from_hf(model)
     heads = trained_like(kind)
     out = save_heads(tmp_path / "h", HeadSet(kind, heads, ident), {"note": "test"}, ["abc"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]  # no temp dir left behind
+    # no temp dir left behind, only the cache's lock file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".h.lock", "h"]
     config = json.loads((out / "config.json").read_text())
     assert config["kind"] == kind and config["layers"] == list(LAYERS)
     assert config["base_model"] == ident.to_dict() and config["training"] == {"note": "test"}
@@ -229,6 +231,9 @@ def test_format_errors(tmp_path, model):
     tensors = load_file(str(out / "heads.safetensors"))
     del tensors["2.up.weight"]
     save_file(tensors, str(out / "heads.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["weights_sha256"] = file_sha256(out / "heads.safetensors")  # consistent, but incomplete
+    (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HeadsFormatError, match="layer 2: missing up.weight"):
         load_heads(out, expect=None)
 

@@ -89,6 +89,7 @@ def test_collector_pulls_from_a_thread_and_snapshots_on_the_loop():
         engine = _Engine(_stats())
         col = SelfSpecCollector()
         col.follow(engine, loop, LABELS, L, 3)
+        col.max_age_s = 0.0  # no coalescing here (test_concurrent_scrapes_share_one_rpc)
         key = 'vllm:selfspec_steps_total{method="layerskip",model_name="m"}'
         assert _scrape(col)[key] == 1  # off the loop: a fresh RPC per scrape, rank 0's stats
         assert _scrape(col)[key] == 2
@@ -163,3 +164,32 @@ def test_statistics_leave_the_engine_as_python_types():
     msgspec.msgpack.encode(out)
     with pytest.raises(TypeError):
         msgspec.msgpack.encode(stats)
+
+
+class _SlowEngine(_Engine):
+    async def collective_rpc(self, method, timeout=None):
+        await asyncio.sleep(0.2)  # an RPC waits for the engine's step to end
+        return await super().collective_rpc(method, timeout)
+
+
+def test_concurrent_scrapes_share_one_rpc():
+    """50 scrapes at once cost the engine one stats RPC, and scrapes within the snapshot's
+    age none: a scrape flood cannot put calls between every engine step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        engine = _SlowEngine(_stats())
+        col = SelfSpecCollector()
+        col.follow(engine, loop, LABELS, L, 3)
+        with ThreadPoolExecutor(50) as pool:
+            got = list(pool.map(lambda _: col.refresh()["steps"], range(50)))
+        assert engine.calls == 1 and got == [1] * 50
+        assert col.refresh()["steps"] == 1 and engine.calls == 1  # within max_age_s
+        col.max_age_s = 0.0
+        assert col.refresh()["steps"] == 2 and engine.calls == 2  # past it: pulled again
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

@@ -32,7 +32,7 @@ import torch
 
 from ..deferred import Round, draft_round, finish_plan, usable_prefix
 from ..plans import LayerPlan
-from .drafting import Drafter
+from .drafting import Drafter, finite_rows
 from .kv_groups import slots_of
 from .stats import layer_computations
 
@@ -135,7 +135,11 @@ class _DraftBackend:
         idx = self._idx(rows)
         x = self.h[idx] + self.res[idx]
         head = self.exe.heads[f"heads@{layer}"]
-        logits = self.exe.project(self.exe.layout.norm(head.transform(x))).float()
+        valid, logits = finite_rows(
+            self.exe.project(self.exe.layout.norm(head.transform(x))).float()
+        )
+        if not bool(valid.all()):  # no valid draft distribution: such a row is never confident
+            self.ctx.stats.invalid_draft_rows += int((~valid).sum())
         temps = torch.tensor([self.temps[r] for r in requests], device=logits.device)
         sampled = temps > 0
         q = torch.softmax(logits / torch.where(sampled, temps, 1.0)[:, None], -1)
@@ -144,7 +148,7 @@ class _DraftBackend:
             draw = torch.multinomial(q.cpu(), 1, generator=self.ctx.generator).squeeze(1)
             nxt = torch.where(sampled, draw.to(nxt.device), nxt)
         conf = q.gather(1, nxt[:, None]).squeeze(1)
-        confident = (conf > self.engine.threshold).tolist()
+        confident = ((conf > self.engine.threshold) & valid).tolist()
         vocab_ids = self.exe.vocab_ids
         tokens = (vocab_ids[nxt] if vocab_ids is not None else nxt).tolist()
         st = self.ctx.stats

@@ -113,10 +113,11 @@ class CascadeDrafter(Drafter):
                 break
             nxt = ctx.pick(logits.float(), rows_t[J], temps, probs, J, step)
             nxt_list = nxt.tolist()
+            kept = [chosen[a] >= 0 and nxt_list[a] >= 0 for a in range(len(alive))]
             for a, j in enumerate(alive):
-                if chosen[a] >= 0:
+                if kept[a]:  # a confident exit, and a valid draft (not NO_DRAFT)
                     drafts[rows[j]].append(nxt_list[a])
-            alive = [j for a, j in enumerate(alive) if chosen[a] >= 0]
+            alive = [j for a, j in enumerate(alive) if kept[a]]
             tok[J] = nxt.cpu()
         self.round_exits.update(
             (ib.req_ids[rows[j]], steps) for j, steps in enumerate(walks.steps) if steps

@@ -42,6 +42,51 @@ import torch
 from .. import compat
 from .kv_groups import KVGroups
 
+#: the token ``DraftContext.pick`` returns for a row with no valid draft: its round ends there
+NO_DRAFT = -1
+
+
+def finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [n] bool, logits with every row of a non-finite value replaced by zeros): the
+    rows a draft distribution can come from, and logits that ``argmax``, ``softmax`` and
+    ``torch.multinomial`` (which raises on NaN and inf) can take whole. A replaced row's token
+    is never drafted."""
+    valid = torch.isfinite(logits).all(dim=-1)
+    return valid, torch.where(valid[:, None], logits, torch.zeros((), dtype=logits.dtype))
+
+
+def peak_shapes(
+    max_seqs: int,
+    k: int,
+    vocab: int,
+    draft_vocab: int,
+    hidden: int,
+    capture_layers: int,
+    capture_tokens: int,
+    chunk_rows: int,
+) -> list[tuple[int, ...]]:
+    """The float32 tensors one engine step of drafting may hold at once, at its largest
+    (``max_seqs`` requests, all sampled, each drafting ``k``):
+
+    * the q of every draft step of the sampled requests, [max_seqs, k, vocab] (the proposer's
+      ``probs``), and the q handed to the rejection sampler at verification, [max_seqs * k,
+      vocab];
+    * one draft step's logits and their softmax over the draft vocabulary, and that q over the
+      full vocabulary;
+    * with shadow tokens: the captured rows, [layers, max_seqs * capture_tokens, hidden], and a
+      projected chunk's logits and softmax.
+
+    >>> peak_shapes(2, 3, 10, 4, 8, capture_layers=0, capture_tokens=4, chunk_rows=256)
+    [(2, 3, 10), (6, 10), (2, 4), (2, 4), (2, 10)]
+    """
+    shapes = [(max_seqs, k, vocab), (max_seqs * k, vocab)]
+    shapes += [(max_seqs, draft_vocab), (max_seqs, draft_vocab), (max_seqs, vocab)]
+    if capture_layers:
+        rows = max_seqs * capture_tokens
+        shapes += [(capture_layers, rows, hidden)]
+        shapes += [(min(rows, chunk_rows), draft_vocab)] * 2
+    return shapes
+
 
 @dataclass
 class RoundStart:
@@ -169,7 +214,15 @@ class DraftContext:
         """Draft tokens from one draft step's ``logits`` [n, draft vocabulary] (float32) of the
         batch rows ``batch_rows``: the argmax for greedy rows; for sampled ones a draw from
         ``softmax(logits / T)``, whose distribution (over the full vocabulary) goes to
-        ``probs[J, step]`` for the rejection sampler. Token ids, on the logits' device."""
+        ``probs[J, step]`` for the rejection sampler. Token ids, on the logits' device.
+
+        A row whose logits are not all finite (a damaged head, an overflow in a shortened
+        model) has no valid draft distribution: its token is ``NO_DRAFT``, its round ends
+        there (the drafters keep only tokens >= 0), and ``stats.invalid_draft_rows`` counts
+        it. The target's verification never sees it, so the output is what it would be."""
+        valid, logits = finite_rows(logits)
+        if not bool(valid.all()):
+            self.stats.invalid_draft_rows += int((~valid).sum())
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
         nxt = logits.argmax(dim=-1)
         if temps is not None:
@@ -182,7 +235,8 @@ class DraftContext:
                 if vocab_ids is not None:  # q over the draft vocabulary, 0 elsewhere
                     q = q.new_zeros(len(logits), self.info.vocab_size).index_copy_(1, vocab_ids, q)
                 probs[J.to(probs.device), step] = q.to(probs.dtype)
-        return nxt if vocab_ids is None else vocab_ids[nxt]
+        tokens = nxt if vocab_ids is None else vocab_ids[nxt]
+        return torch.where(valid, tokens, NO_DRAFT)
 
     def count_rounds(self, drafts: list[list[int]], rows: list[int], plans=None) -> None:
         """The stats of one draft round of the batch ``rows``: the draft-length histogram, the

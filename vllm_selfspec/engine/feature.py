@@ -83,7 +83,10 @@ class FeatureDrafter(Drafter):
             nxt = ctx.pick(logits, rows_t[J], temps, probs, J, step)
             ctx.costs.add_draft(0.0, len(alive), time.perf_counter() - t0)
             ctx.stats.draft_forwards += 1
-            for a, token in zip(alive, nxt.tolist()):
-                drafts[rows[a]].append(token)
+            nxt_list = nxt.tolist()
+            for a, token in zip(alive, nxt_list):
+                if token >= 0:  # NO_DRAFT: no valid draft distribution, the round ends
+                    drafts[rows[a]].append(token)
+            alive = [a for a, token in zip(alive, nxt_list) if token >= 0]
             tok[J] = nxt.cpu()
         ctx.count_rounds(drafts, rows)

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import compat
+from ..cachedir import write_json
 from ..models import home
 from ..policies.knapsack import LatencyModel
 
@@ -51,6 +52,8 @@ logger = logging.getLogger(compat.LOGGER_NAME)
 #: context lengths at which attention is timed (capped by max_model_len)
 LATENCY_CONTEXTS = (16, 256, 1024, 4096)
 LATENCY_REPEATS = 7
+#: the latency cache's layout; part of its key, so a file of another layout is never read
+LATENCY_CACHE_VERSION = 2
 
 
 class KnapsackForward:
@@ -141,6 +144,7 @@ def _cache_path(ctx, device: torch.device) -> Path:
     vocab = ctx.executor.vocab_ids
     key = json.dumps(
         [
+            LATENCY_CACHE_VERSION,
             os.path.realpath(str(mc.model)),
             _device_name(device),
             str(mc.dtype),
@@ -212,10 +216,12 @@ def latency_model(ctx) -> LatencyModel:
     path = _cache_path(ctx, device)
     cached = None
     if compat.tp_rank() == 0 and path.is_file():
-        try:
-            cached = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            cached = None
+        try:  # a file of another layout, truncated or foreign: measured again, and rewritten
+            d = json.loads(path.read_text(encoding="utf-8"))
+            LatencyModel.from_dict(d)
+            cached = d
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            logger.warning("knapspec: ignoring the latency cache %s (%s); measuring", path, e)
     cached = compat.broadcast_from_tp_rank0(cached)  # all ranks measure together, or none
     if cached is not None:
         return LatencyModel.from_dict(cached)
@@ -226,16 +232,13 @@ def latency_model(ctx) -> LatencyModel:
     logger.info("knapspec latency model measured in %.2f s: %s", time.perf_counter() - t0, d)
     if compat.tp_rank() == 0:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(
-                json.dumps(
-                    {
-                        **d,
-                        "device": _device_name(device),
-                        "seconds_to_measure": time.perf_counter() - t0,
-                    }
-                ),
-                encoding="utf-8",
+            write_json(
+                path,
+                {
+                    **d,
+                    "device": _device_name(device),
+                    "seconds_to_measure": time.perf_counter() - t0,
+                },
             )
         except OSError as e:
             logger.warning("knapspec: cannot cache the latency model in %s: %s", path, e)

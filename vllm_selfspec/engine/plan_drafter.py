@@ -61,10 +61,13 @@ class PlanDrafter(Drafter):
             logits = logits.float()
             nxt = ctx.pick(logits, rows_t[J], temps, probs, J, step)
             nxt_list = nxt.tolist()
-            keep = [True] * len(alive)
+            keep = [t >= 0 for t in nxt_list]  # NO_DRAFT: no valid draft distribution
             if need_conf:
                 conf = torch.softmax(logits, -1).amax(-1).tolist()
-                keep = [floors[j] is None or c >= floors[j] for j, c in zip(alive, conf)]
+                keep = [
+                    k and (floors[j] is None or c >= floors[j])
+                    for k, j, c in zip(keep, alive, conf)
+                ]
             for a, j in enumerate(alive):
                 if keep[a]:
                     drafts[rows[j]].append(nxt_list[a])

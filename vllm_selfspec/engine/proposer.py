@@ -39,12 +39,13 @@ from ..goodput import (
     prefer_free,
 )
 from ..heads import identity_from_tensors, load_heads
-from ..lookup import ContextIndex, SharedIndex
+from ..lookup import ContextIndex, SharedIndex, TenantView
 from ..policies import DraftDecision, Feedback
 from ..vocab import load_generations, load_vocab
+from . import shadow
 from .adadecode import DeferredEngine
 from .cascade import CascadeDrafter
-from .drafting import DraftContext, Drafter
+from .drafting import DraftContext, Drafter, peak_shapes
 from .executor import PlanExecutor
 from .feature import FeatureDrafter
 from .knapsack_forward import KnapsackForward, latency_model
@@ -163,6 +164,10 @@ class SelfSpecProposer:
         self.lookup = self.config.lookup
         self._indexes: dict[str, ContextIndex] = {}
         self._prompt_lens: dict[str, int] = {}
+        #: whose finished outputs a request drafts from ("tenant", "global", "off"; lookup.py),
+        #: and per request what of the shared index it sees (its tenant's outputs, datastore)
+        self.sharing = self.lookup.get("shared", "off")
+        self._views: dict[str, TenantView] = {}
         #: the outputs of finished requests (identical on every TP rank: same requests, order)
         #: and the datastore's sequences (the model's corpus generations), pinned; loaded with the
         #: model, where the target's identity can be checked
@@ -211,7 +216,7 @@ class SelfSpecProposer:
             self._load_heads(target_model, heads_path)
         if self.config.draft_vocab_size is not None:
             self._load_draft_vocab(self.config.draft_vocab, self.config.draft_vocab_size)
-        if self.lookup.get("shared") or self.lookup.get("datastore"):
+        if self.sharing != "off" or self.lookup.get("datastore"):
             store = self.lookup.get("datastore")
             pinned = load_generations(store, expect=self._identity()) if store else ()
             self.shared_index = SharedIndex(
@@ -267,8 +272,9 @@ class SelfSpecProposer:
         self._rates.pop(req_id, None)
         index = self._indexes.pop(req_id, None)
         prompt_len = self._prompt_lens.pop(req_id, None)
-        if index is not None and self.shared_index is not None and self.lookup.get("shared"):
-            self.shared_index.add(index.tokens[prompt_len:])
+        view = self._views.pop(req_id, None)
+        if index is not None and view is not None and self.sharing != "off":
+            self.shared_index.add(index.tokens[prompt_len:], view.tenant)
         self._lookup_rates.pop(req_id, None)
         self._lookup_round.pop(req_id, None)
         self._pending_q.pop(req_id, None)
@@ -280,6 +286,30 @@ class SelfSpecProposer:
         (vllm_selfspec.forget_outputs)."""
         if self.shared_index is not None:
             self.shared_index.forget()
+
+    def reserve_peak_memory(self) -> int:
+        """Allocate, then free, the largest tensors one step of drafting holds at once at
+        ``max_num_seqs`` requests (``drafting.peak_shapes``); returns their bytes. vLLM's
+        start-up profile (``profile_run``, which measures the peak allocation while it runs)
+        then leaves room for them: vLLM runs no dummy step of a ``custom_class`` drafter, so
+        without this a full batch of sampled requests could run out of memory after start-up
+        said it fits."""
+        ex = self.executor
+        vocab = self.info.vocab_size
+        shapes = peak_shapes(
+            max_seqs=self.vllm_config.scheduler_config.max_num_seqs,
+            k=self.k,
+            vocab=vocab,
+            draft_vocab=vocab if ex.vocab_ids is None else int(ex.vocab_ids.numel()),
+            hidden=self.info.hidden_size,
+            capture_layers=len(self.capture_layers),
+            capture_tokens=self.capture_tokens,
+            chunk_rows=shadow.CHUNK_ROWS,
+        )
+        held = [torch.empty(s, dtype=torch.float32, device=self.runner.device) for s in shapes]
+        total = sum(t.numel() * t.element_size() for t in held)
+        del held
+        return total
 
     def draft_probs(self, req_ids: list[str], spec_decode_metadata) -> torch.Tensor | None:
         """q of every draft token verified now, in the rejection sampler's order (vLLM's runner
@@ -611,9 +641,14 @@ class SelfSpecProposer:
                 self.lookup["max_ngram"], self.lookup["min_ngram"]
             )
             self._prompt_lens[req_id] = int(ib.num_prompt_tokens[i])
+            if self.shared_index is not None:
+                tenant = (
+                    compat.request_tenant(self.runner, req_id) if self.sharing == "tenant" else ""
+                )
+                self._views[req_id] = self.shared_index.view(tenant)
         if len(index) < n:
             index.extend(ib.token_ids_cpu[i, len(index) : n].tolist())
-        return index.propose(room, self.shared_index)
+        return index.propose(room, self._views.get(req_id))
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
         """Per request its option for this step: its policy's self-draft, or the free lookup

@@ -18,6 +18,10 @@ from ..kernels.lm_head_argmax import lm_head_argmax
 from ..plans import LM_HEAD
 from .executor import PlanExecutor
 
+#: rows projected at once (per layer, ``n_layers`` x this in the fused kernel): bounds the
+#: logits a projection holds to [CHUNK_ROWS, vocab] float32 (128 MiB at a 128k vocabulary)
+CHUNK_ROWS = 256
+
 
 class ShadowProjector:
     def __init__(self, executor: PlanExecutor, vocab_size: int, tp_size: int) -> None:
@@ -28,7 +32,18 @@ class ShadowProjector:
     @torch.inference_mode()
     def project(self, hidden: torch.Tensor, heads: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [n_layers, rows, d] (pre-norm stream), heads[j] for layer j ->
-        (tokens [n_layers, rows] int64, probs [n_layers, rows] float32), both on the CPU."""
+        (tokens [n_layers, rows] int64, probs [n_layers, rows] float32), both on the CPU.
+        Projected ``CHUNK_ROWS`` rows at a time: the logits of one chunk, [CHUNK_ROWS, vocab]
+        float32, are the most it holds at once, whatever the batch and ``capture_tokens``."""
+        rows = hidden.shape[1]
+        if rows <= CHUNK_ROWS:
+            return self._project(hidden, heads)
+        parts = [
+            self._project(hidden[:, i : i + CHUNK_ROWS], heads) for i in range(0, rows, CHUNK_ROWS)
+        ]
+        return torch.cat([t for t, _ in parts], 1), torch.cat([p for _, p in parts], 1)
+
+    def _project(self, hidden: torch.Tensor, heads: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         n, rows, d = hidden.shape
         ex = self.executor
         lay = ex.layout

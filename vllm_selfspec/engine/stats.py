@@ -43,6 +43,8 @@ class EngineStats:
     early_predicted: Counter = field(default_factory=Counter)
     early_accepted: Counter = field(default_factory=Counter)
     unconfident_walks: int = 0
+    # draft rows whose logits were not all finite: no valid draft distribution, so no draft
+    invalid_draft_rows: int = 0
     # Cascade lossy mode: tokens emitted from exits without verification (total, per request)
     unverified_tokens: int = 0
     unverified_by_request: dict = field(default_factory=dict)
@@ -112,6 +114,7 @@ class EngineStats:
             "target_layers": self.target_layers,
             "tokens_per_layer": self.generated_tokens / layers if layers else None,
             "shadow_rows": self.shadow_rows,
+            "invalid_draft_rows": self.invalid_draft_rows,
             "unverified_tokens": self.unverified_tokens,
             "unverified_tokens_by_request": dict(self.unverified_by_request),
             "optimisations": self.optimisations,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from ..cachedir import staged_file
 from ..tools.prompts import load_prompts, render_chat
 from .corpus import general_requests, stdlib_functions
 
@@ -187,9 +187,8 @@ class TokenData:
             generated=self.generated,
             prompt=self.prompt,
         )
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"seconds": f"{seconds:.3f}"})
-        os.replace(tmp, path)  # atomic: a shard is either complete or absent
+        with staged_file(path) as tmp:  # atomic: a shard is either complete or absent
+            save_file(tensors, str(tmp), metadata={"seconds": f"{seconds:.3f}"})
 
     @classmethod
     def load(cls, path: Path) -> TokenData:

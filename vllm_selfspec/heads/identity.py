@@ -79,7 +79,12 @@ def read_saved_config(
     f = Path(path) / CONFIG_FILE
     if not f.is_file():
         raise error(f"{path} is not a {name} directory: no {CONFIG_FILE}")
-    config = json.loads(f.read_text())
+    try:
+        config = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise error(f"{f}: unreadable ({e})") from e
+    if not isinstance(config, dict):
+        raise error(f"{f}: expected a JSON object, got {type(config).__name__}")
     if config.get("format") != fmt or config.get("version") != version:
         raise error(
             f"{f}: expected format {fmt!r} version {version}, got "

@@ -9,8 +9,6 @@ DIR/train_prompts.json  digests of every prompt training touched (eval-heads ski
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..cachedir import file_sha256, reading, staged
 from .identity import CONFIG_FILE, ModelIdentity, read_saved_config
 from .modules import KINDS, make_head
 
@@ -109,7 +108,8 @@ def save_heads(
     training: dict[str, Any] | None = None,
     train_prompt_digests: list[str] | None = None,
 ) -> Path:
-    """Write ``heads`` to ``out`` atomically (a temp dir renamed over ``out``); return ``out``."""
+    """Write ``heads`` to ``out`` atomically (``cachedir.staged``), with the weights' SHA-256 in
+    config.json; return ``out``."""
 
     out = Path(out)
     first = next(iter(heads.values()))
@@ -132,10 +132,9 @@ def save_heads(
         for l, h in heads.items()
         for k, v in h.state_dict().items()
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        config["weights_sha256"] = file_sha256(tmp / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROMPTS_FILE).write_text(
             json.dumps(
@@ -143,13 +142,30 @@ def save_heads(
             )
             + "\n"
         )
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     heads.config = config
     return out
+
+
+def _read_weights(path: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The weights of a head directory, checked against config.json's SHA-256 (when it has one)
+    and for non-finite values: a damaged file is refused at load, with its name, before it can
+    draft."""
+    f = path / WEIGHTS_FILE
+    if not f.is_file():
+        raise HeadsFormatError(f"{f}: missing")
+    want = config.get("weights_sha256")
+    if want is not None and file_sha256(f) != want:
+        raise HeadsFormatError(
+            f"{f}: its SHA-256 is not the one config.json records (a damaged or replaced file)"
+        )
+    try:
+        tensors = load_file(str(f))
+    except Exception as e:  # safetensors raises its own error types for a truncated file
+        raise HeadsFormatError(f"{f}: unreadable ({e})") from e
+    bad = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
+    if bad:
+        raise HeadsFormatError(f"{f}: non-finite values (NaN or inf) in {', '.join(bad)}")
+    return tensors
 
 
 def min_exit_layer(kind: str) -> int:
@@ -159,8 +175,19 @@ def min_exit_layer(kind: str) -> int:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """config.json of a head directory, checked for format and version."""
-    return read_saved_config(path, "head", FORMAT, VERSION, HeadsFormatError)
+    """config.json of a head directory, checked for format, version and the keys the loader
+    reads."""
+    config = read_saved_config(path, "head", FORMAT, VERSION, HeadsFormatError)
+    required = {"kind": str, "layers": list, "base_model": dict, "head": dict}
+    if config.get("kind") == "cascade":
+        required["thresholds"] = dict
+    for key, typ in required.items():
+        if not isinstance(config.get(key), typ):
+            raise HeadsFormatError(
+                f"{Path(path) / CONFIG_FILE}: {key!r} must be a JSON {typ.__name__}, "
+                f"got {config.get(key)!r}"
+            )
+    return config
 
 
 def train_prompt_digests(path: str | Path) -> set[str]:
@@ -173,12 +200,21 @@ def load_heads(path: str | Path, *, expect: ModelIdentity | None) -> HeadSet:
     (``identity_from_hf`` / ``identity_from_tensors``); a mismatch raises
     ``HeadsMismatchError``. Pass ``expect=None`` only to inspect heads without a model."""
 
+    with reading(path):  # config and weights of one version, whichever a writer publishes
+        return _load_heads(Path(path), expect)
+
+
+def _load_heads(path: Path, expect: ModelIdentity | None) -> HeadSet:
     path = Path(path)
     config = read_config(path)
     identity = ModelIdentity.from_dict(config["base_model"])
     if expect is not None:
         identity.check(expect, what=f"heads in {path}")
-    kind, layers = config["kind"], [int(l) for l in config["layers"]]
+    kind, layers = config["kind"], config["layers"]
+    if not all(isinstance(l, int) and not isinstance(l, bool) for l in layers):
+        raise HeadsFormatError(f"{path / CONFIG_FILE}: layers must be integers, got {layers}")
+    if kind == "cascade" and any(str(l) not in config["thresholds"] for l in layers):
+        raise HeadsFormatError(f"{path / CONFIG_FILE}: thresholds must name every layer {layers}")
     if kind not in KINDS:
         raise HeadsFormatError(f"{path}: unknown kind {kind!r}; expected one of {KINDS}")
     lowest = min_exit_layer(kind)
@@ -187,7 +223,7 @@ def load_heads(path: str | Path, *, expect: ModelIdentity | None) -> HeadSet:
         raise HeadsFormatError(
             f"{path}: exit layers must be in [{lowest}, {identity.num_layers - 1}], got {layers}"
         )
-    tensors = load_file(str(path / WEIGHTS_FILE))
+    tensors = _read_weights(path, config)
     heads: dict[int, nn.Module] = {}
     for l in layers:
         head = make_head(

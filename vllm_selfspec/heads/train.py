@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..cachedir import locked, staged_file
 from ..models import home, resolve_model
 from .data import TRAINING_SPLITS, CollectSpec, TokenData, collect, load_corpus
 from .evaluate import agreement, head_input, select_threshold, top1
@@ -114,9 +114,8 @@ def transform_parameters(head: nn.Module) -> list[nn.Parameter]:
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with staged_file(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def fit_transforms(
@@ -287,62 +286,65 @@ def train_heads(
     data = collect(lm, tok, corpus, TRAINING_SPLITS, spec, data_dir, progress=progress)
 
     work = out.parent / f".{out.name}.work"
-    work.mkdir(parents=True, exist_ok=True)
-    run_key = json.dumps(
-        {"cfg": asdict(cfg), "data": str(data_dir), "id": identity.to_dict()},
-        sort_keys=True,
-        default=list,
-    )
-    if (work / "run.json").is_file() and (work / "run.json").read_text() != run_key:
-        shutil.rmtree(work)  # a checkpoint of a different run: start over
-        work.mkdir(parents=True)
-    (work / "run.json").write_text(run_key)
+    # one train-heads run of ``out`` at a time: a second waits here (its checkpoints would
+    # interleave with the first's in the same work dir)
+    with locked(work):
+        work.mkdir(parents=True, exist_ok=True)
+        run_key = json.dumps(
+            {"cfg": asdict(cfg), "data": str(data_dir), "id": identity.to_dict()},
+            sort_keys=True,
+            default=list,
+        )
+        if (work / "run.json").is_file() and (work / "run.json").read_text() != run_key:
+            shutil.rmtree(work)  # a checkpoint of a different run: start over
+            work.mkdir(parents=True)
+        (work / "run.json").write_text(run_key)
 
-    torch.manual_seed(cfg.seed)
-    heads = {
-        l: make_head(cfg.kind, identity.hidden_size, cfg.bottleneck, cfg.max_offset)
-        for l in cfg.layers
-    }
-    readout = Readout(lm)
-    fit = fit_transforms(heads, readout, data["train"], cfg, work / "state.pt", progress)
-    for h in heads.values():
-        for p in transform_parameters(h):
-            p.requires_grad_(False)
-    est = None
-    t_est = time.perf_counter()
-    if cfg.kind == "cascade":
-        est = fit_estimators(heads, readout, data["fit"], data["val"], cfg, progress)
-    t_est = time.perf_counter() - t_est
-    for h in heads.values():
-        h.eval().requires_grad_(False)
+        torch.manual_seed(cfg.seed)
+        heads = {
+            l: make_head(cfg.kind, identity.hidden_size, cfg.bottleneck, cfg.max_offset)
+            for l in cfg.layers
+        }
+        readout = Readout(lm)
+        fit = fit_transforms(heads, readout, data["train"], cfg, work / "state.pt", progress)
+        for h in heads.values():
+            for p in transform_parameters(h):
+                p.requires_grad_(False)
+        est = None
+        t_est = time.perf_counter()
+        if cfg.kind == "cascade":
+            est = fit_estimators(heads, readout, data["fit"], data["val"], cfg, progress)
+        t_est = time.perf_counter() - t_est
+        for h in heads.values():
+            h.eval().requires_grad_(False)
 
-    tokens = {
-        s: {"positions": len(d), "generated": int(d.generated.sum())} for s, d in data.items()
-    }
-    metadata = {
-        "model_path": model_path,
-        "config": asdict(cfg),
-        "data_dir": str(data_dir),
-        "tokens": tokens,
-        "collect_seconds": round(sum(_shard_seconds(data_dir)), 1),
-        "train_seconds": fit["seconds"],
-        "estimator_seconds": round(t_est, 1) if est is not None else None,
-        "final_loss": {l: v[-1] for l, v in fit["loss"].items()},
-        "first_loss": {l: v[0] for l, v in fit["loss"].items()},
-        "estimators": est,
-        "val": agreement(heads, readout, data["val"]),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "wall_seconds_this_run": round(time.perf_counter() - t_start, 1),
-    }
-    save_heads(
-        out,
-        HeadSet(cfg.kind, heads, identity),
-        metadata,
-        _corpus_digests(data_dir, TRAINING_SPLITS),
-    )
-    shutil.rmtree(work, ignore_errors=True)
-    return out
+        tokens = {
+            s: {"positions": len(d), "generated": int(d.generated.sum())} for s, d in data.items()
+        }
+        metadata = {
+            "model_path": model_path,
+            "config": asdict(cfg),
+            "data_dir": str(data_dir),
+            "tokens": tokens,
+            "collect_seconds": round(sum(_shard_seconds(data_dir)), 1),
+            "train_seconds": fit["seconds"],
+            "estimator_seconds": round(t_est, 1) if est is not None else None,
+            "final_loss": {l: v[-1] for l, v in fit["loss"].items()},
+            "first_loss": {l: v[0] for l, v in fit["loss"].items()},
+            "estimators": est,
+            "val": agreement(heads, readout, data["val"]),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "wall_seconds_this_run": round(time.perf_counter() - t_start, 1),
+        }
+        save_heads(
+            out,
+            HeadSet(cfg.kind, heads, identity),
+            metadata,
+            _corpus_digests(data_dir, TRAINING_SPLITS),
+        )
+        shutil.rmtree(work, ignore_errors=True)
+        return out
 
 
 def _shard_seconds(data_dir: Path) -> list[float]:
