@@ -29,6 +29,13 @@ def _config(model, spec, **kw):
         ({"method": "layerskip", "exit_layer": 8, "skip_mlp": [9]}, "below exit_layer=8"),
         ({"method": "layerskip", "num_speculative_tokens": -1}, "num_speculative_tokens must be"),
         ({"method": "layerskip", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"method": "layerskip", "exit_layer": 12.0}, r"exit_layer must be an integer"),
+        ({"method": "layerskip", "skip_attn": 5}, "skip_attn must be a list of 0-based layer"),
+        ({"method": "del", "exit_layers": 5}, "exit_layers must be a non-empty list"),
+        ({"method": "del", "exit_layers": [12.0]}, "exit_layers must be a non-empty list"),
+        ({"method": "del", "dynamic_threshold": "false"}, "dynamic_threshold must be true or"),
+        ({"method": "auto", "lookup": {"shared": "per-user"}}, "shared must be one of"),
+        ({"method": "layerskip", "capture_tokens": 1000}, r"capture_tokens must be .*256"),
     ],
 )
 def test_bad_options(model_path, spec, match):

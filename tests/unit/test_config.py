@@ -124,3 +124,17 @@ def test_workers_rebuild_the_front_ends_config(spec, tmp_path):
     rebuilt = SelfSpecConfig.from_stored(stored, cfg.num_speculative_tokens)
     assert rebuilt == cfg == SelfSpecConfig.load(cfg.to_dict())
     assert stored == cfg.stored()  # the stored dict is not consumed
+
+
+@pytest.mark.parametrize("layers", [[12.0], 12, [True]])
+def test_trained_exits_are_integers(layers):
+    """``12.0`` equals 12 to ``in``: a float exit once passed these checks and crashed a worker."""
+    from vllm_selfspec.policies.adadecode import AdaDecodePolicy
+    from vllm_selfspec.policies.cascade import CascadePolicy
+
+    with pytest.raises(ValueError, match="exit_layers must be a non-empty subset"):
+        CascadePolicy.exits(
+            {"exit_layers": layers, "thresholds": None}, {"thresholds": {"12": 0.5}}
+        )
+    with pytest.raises(ValueError, match="exit_layers must be a non-empty subset"):
+        AdaDecodePolicy.exits({"exit_layers": layers}, {"layers": [1, 12]})

@@ -31,7 +31,7 @@ from typing import Any
 from ..model_info import ModelInfo
 from ..plans import LayerPlan
 from .base import DraftDecision, Policy
-from .options import is_number
+from .options import is_int_list, is_number
 
 
 class AdaDecodePolicy(Policy):
@@ -57,11 +57,7 @@ class AdaDecodePolicy(Policy):
         layers = config["exit_layers"]
         if layers is None:
             return trained
-        if (
-            not isinstance(layers, list)
-            or not layers
-            or any(x not in trained or isinstance(x, bool) for x in layers)
-        ):
+        if not is_int_list(layers) or not layers or any(x not in trained for x in layers):
             raise ValueError(
                 f"adadecode: exit_layers must be a non-empty subset of the trained "
                 f"heads' layers {list(trained)}, got {layers!r}"

@@ -66,7 +66,7 @@ import numpy as np
 from ..model_info import ModelInfo
 from ..plans import LayerPlan
 from .base import DraftDecision, Feedback, Policy
-from .options import is_number
+from .options import is_int_list, is_number
 
 #: observations the priors of p_i and a_i are worth
 PRIOR_WEIGHT = 2.0
@@ -125,7 +125,7 @@ class CascadePolicy(Policy):
         layers = config["exit_layers"]
         if layers is None:
             layers = sorted(trained)
-        bad = [x for x in layers if x not in trained]
+        bad = not is_int_list(layers) or any(x not in trained for x in layers)
         if not layers or bad:
             raise ValueError(
                 f"cascade: exit_layers must be a non-empty subset of the trained "

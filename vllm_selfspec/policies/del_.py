@@ -54,7 +54,7 @@ import numpy as np
 from ..model_info import ModelInfo
 from ..plans import LayerPlan
 from .base import DraftDecision, Feedback, Policy
-from .options import is_int, is_number
+from .options import is_int, is_int_list, is_number
 
 #: real draft steps at a layer (decayed) after which their confidence-stop rate replaces the
 #: shadow tokens' estimate of it
@@ -187,6 +187,10 @@ class DELPolicy(Policy):
             raise ValueError(f"del: omega must be in (0, 1], got {omega!r}")
         if config["cost"] not in ("layers", "time"):
             raise ValueError(f'del: cost must be "layers" or "time", got {config["cost"]!r}')
+        if not isinstance(config["dynamic_threshold"], bool):
+            raise ValueError(
+                f"del: dynamic_threshold must be true or false, got {config['dynamic_threshold']!r}"
+            )
         every = config["shadow_every"]
         if not is_int(every) or every < 1:
             raise ValueError(f"del: shadow_every must be a positive integer, got {every!r}")
@@ -199,7 +203,7 @@ class DELPolicy(Policy):
         layers = config["exit_layers"]
         if layers is None:
             return DELPolicy._head_layers(heads) or default_exit_layers(L)
-        bad = [x for x in layers if not is_int(x) or not 1 <= x < L]
+        bad = not is_int_list(layers) or any(not 1 <= x < L for x in layers)
         if not layers or bad:
             raise ValueError(
                 f"del: exit_layers must be a non-empty list of layer counts in "

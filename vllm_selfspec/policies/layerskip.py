@@ -14,7 +14,7 @@ from typing import Any
 from ..model_info import ModelInfo
 from ..plans import LayerPlan
 from .base import DraftDecision, Policy
-from .options import is_int
+from .options import is_int, is_int_list
 
 
 class LayerSkipPolicy(Policy):
@@ -30,6 +30,11 @@ class LayerSkipPolicy(Policy):
     @staticmethod
     def make_plan(config: dict[str, Any], model: ModelInfo) -> LayerPlan:
         L = model.num_layers
+        for key in ("skip_attn", "skip_mlp"):
+            if config[key] is not None and not is_int_list(config[key]):
+                raise ValueError(
+                    f"layerskip: {key} must be a list of 0-based layer indices, got {config[key]!r}"
+                )
         skip_attn = list(config["skip_attn"] or [])
         skip_mlp = list(config["skip_mlp"] or [])
         E = config["exit_layer"]

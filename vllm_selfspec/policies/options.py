@@ -15,3 +15,8 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """An integer or float option value (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int_list(value: Any) -> bool:
+    """A list of integer option values (not bools, not floats such as ``12.0``)."""
+    return isinstance(value, list) and all(is_int(x) for x in value)
