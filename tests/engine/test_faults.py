@@ -1,0 +1,58 @@
+"""Faults at run time that the engine must survive with its output unchanged (the faults at load
+and in the caches: tests/unit/test_cache_safety.py; in the config: test_errors.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import vllm_selfspec
+from selfspec_testing import engine, token_ids
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "List three uses of copper:",
+    "import os\n\nfor name in os.listdir('.'):\n",
+]
+MAX_TOKENS = 24
+
+
+def test_non_finite_draft_logits_draft_nothing_and_the_engine_keeps_serving(
+    model_path, monkeypatch
+):
+    """Every other draft step's first row gets NaN logits, as a damaged head or an fp16
+    overflow in a shortened model would give. ``torch.multinomial`` raises on them, which took
+    the engine down on the first sampled request; now that row drafts nothing for the step
+    (counted), greedy outputs equal vanilla vLLM's, and sampled requests run to the end."""
+    from vllm import SamplingParams
+
+    from vllm_selfspec.engine.executor import PlanExecutor
+
+    real, calls = PlanExecutor.logits, itertools.count()
+
+    def poisoned(self, plan, h, res):
+        out = real(self, plan, h, res)
+        if next(calls) % 2 == 0:
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(PlanExecutor, "logits", poisoned)  # the engine core runs in-process
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    sampled = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with engine(model_path) as llm:
+        want = token_ids(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    spec = {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 3}
+    with engine(model_path, speculative_config=spec) as llm:
+        got = token_ids(llm.generate(PROMPTS, greedy, use_tqdm=False))
+        mixed = llm.generate(PROMPTS * 2, [greedy] * 4 + [sampled] * 4, use_tqdm=False)
+        stats = vllm_selfspec.get_stats(llm)
+    assert got == want
+    assert token_ids(mixed[:4]) == want
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in mixed[4:])
+    assert stats["invalid_draft_rows"] > 0, "no NaN row reached the draft pick"
+    assert stats["accepted_tokens"] > 0, "nothing was drafted and accepted around the NaN rows"
