@@ -173,3 +173,6 @@ def test_a_tenant_never_drafts_from_another_tenants_outputs(model_path):
     assert a["lookup_shared_accepted_tokens"] > 0, "the same tenant drafts from its outputs"
     assert b["lookup_shared_accepted_tokens"] == 0
     assert none["lookup_shared_accepted_tokens"] == 0
+    index = a["lookup_index"]  # every request finished: their indexes are gone, outputs kept
+    assert index["requests"] == 0 and index["request_ngrams"] == 0
+    assert index["shared_tenants"] == 3 and index["shared_output_tokens"] == 4 * len(first)

@@ -790,5 +790,15 @@ class SelfSpecProposer:
             d["controller"] = self.controller.state()
         d["draft_vocab_size"] = self.config.draft_vocab_size
         d["live_requests"] = len(self.states)
+        if self.lookup:  # what context lookup holds: bounded per request and shared
+            shared = self.shared_index
+            d["lookup_index"] = {
+                "requests": len(self._indexes),
+                "request_ngrams": sum(len(ix.follow) for ix in self._indexes.values()),
+                "request_positions": sum(ix.hi - ix.lo for ix in self._indexes.values()),
+                "shared_output_tokens": 0 if shared is None else shared.size,
+                "shared_tenants": 0 if shared is None else len(shared.tables),
+                "datastore_ngrams": 0 if shared is None else len(shared.datastore.follow),
+            }
         d.update(self.drafter.describe())
         return d
