@@ -56,3 +56,54 @@ def test_non_finite_draft_logits_draft_nothing_and_the_engine_keeps_serving(
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in mixed[4:])
     assert stats["invalid_draft_rows"] > 0, "no NaN row reached the draft pick"
     assert stats["accepted_tokens"] > 0, "nothing was drafted and accepted around the NaN rows"
+
+
+class _Build(dict):
+    """One ``KVGroups.metadata`` build's per-layer metadata, numbered."""
+
+    number = 0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # DEL gives requests different exits: mixed forwards, one row subset per plan
+        {"method": "del", "num_speculative_tokens": 3},
+        # KnapSpec's search runs candidate skip sets over subsets of its reference rows
+        {"method": "knapspec", "num_speculative_tokens": 3},
+    ],
+    ids=["del", "knapspec"],
+)
+def test_no_draft_forward_uses_metadata_a_later_build_overwrote(model_path, monkeypatch, spec):
+    """A metadata builder may keep the plan of its last build in buffers every build overwrites
+    (FlashInfer's wrappers, vLLM's default on Blackwell GPUs): metadata built earlier is stale
+    once anything is built again. A stand-in for such a builder numbers every build, and each
+    draft forward checks it runs on the latest. Caching each row subset's metadata and going
+    back to it (KVGroups.latest replaced by a plain dict lookup) fails this."""
+    from vllm import SamplingParams
+
+    from vllm_selfspec.engine import drafting, kv_groups
+
+    count = {"builds": 0, "forwards": 0, "rebuilt": 0}
+    real_metadata, real_context = kv_groups.KVGroups.metadata, drafting.DraftContext.forward_context
+
+    def metadata(self, *args, **kwargs):
+        md, slot_map = real_metadata(self, *args, **kwargs)
+        count["builds"] += 1
+        build = _Build(md)
+        build.number = count["builds"]
+        return build, slot_map
+
+    def forward_context(self, md, num_tokens, slot_mapping):
+        if isinstance(md, _Build):
+            assert md.number == count["builds"], "a draft forward used overwritten metadata"
+            count["forwards"] += 1
+        return real_context(self, md, num_tokens, slot_mapping)
+
+    monkeypatch.setattr(kv_groups.KVGroups, "metadata", metadata)
+    monkeypatch.setattr(drafting.DraftContext, "forward_context", forward_context)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with engine(model_path, speculative_config=spec) as llm:
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        stats = vllm_selfspec.get_stats(llm)
+    assert stats["drafted_tokens"] > 0 and count["forwards"] > 0

@@ -98,8 +98,7 @@ class _DraftBackend:
         )
 
     def run(self, rows: list[tuple[int, int]], start: int, stop: int) -> None:
-        key = tuple(rows)
-        if key not in self._md:
+        def build():
             per_req = Counter(r for r, _ in rows)  # rows are ordered by request
             reqs = list(per_req)
             idx = self._idx(rows)
@@ -114,8 +113,9 @@ class _DraftBackend:
                 list(self.slots[:, idx]),
                 self.pos[idx],
             )
-            self._md[key] = (idx, md)
-        idx, (md, slot_map) = self._md[key]
+            return idx, md
+
+        idx, (md, slot_map) = self.ctx.kv_groups().latest(self._md, tuple(rows), build)
         if start == 0:  # rows entering the model: embeddings, no residual yet
             toks = torch.tensor([self.rounds[r].tokens[i] for r, i in rows], device=idx.device)
             h, res = self.exe.layout.embed(toks), None

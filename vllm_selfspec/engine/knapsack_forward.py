@@ -79,13 +79,14 @@ class KnapsackForward:
         return (x + h).view(B, r, d)
 
     def _metadata(self, B: int, first: int, r: int, dev):
-        key = (B, first, r)
-        if key not in self._md:
-            self._md[key] = (
+        return self.ctx.kv_groups().latest(
+            self._md,
+            (B, first, r),
+            lambda: (
                 read_only_metadata(self.ctx, self.rows, B, first, r),
                 torch.arange(first, first + r, device=dev).repeat(B),
-            )
-        return self._md[key]
+            ),
+        )
 
     def predict(self, states: torch.Tensor) -> torch.Tensor:
         """The draft's greedy tokens (its vocabulary: reduced when draft_vocab_size is set)."""

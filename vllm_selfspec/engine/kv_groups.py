@@ -49,6 +49,10 @@ class KVGroups:
         _, _, AttentionGroup = compat.runner_internals()
         names = set(attn_layer_names)
         self.groups: list[KVGroup] = []
+        #: metadata builds so far: a build may overwrite buffers an earlier build's metadata
+        #: points into (FlashInfer keeps its plan in the builder's wrappers), so only the
+        #: latest build is safe to use again (``latest``)
+        self.builds = 0
         for gid, attn_groups in enumerate(runner.attn_groups):
             builders = []
             for g in attn_groups:
@@ -90,6 +94,7 @@ class KVGroups:
     def metadata(self, cm, tables: list[torch.Tensor], slots: list[torch.Tensor], draft_index=0):
         """Attention metadata of every layer the drafter runs, and the slot-mapping dict, from a
         ``CommonAttentionMetadata`` ``cm`` whose block table and slots each group replaces."""
+        self.builds += 1  # what an earlier build returned may be stale now (``latest``)
         md: dict = {}
         slot_map: dict = {}
         for g, table, slot in zip(self.groups, tables, slots):
@@ -100,6 +105,17 @@ class KVGroups:
                     md[name] = group_md
                     slot_map[name] = slot
         return md, slot_map
+
+    def latest(self, cache: dict, key, build):
+        """``build()`` (a value holding attention metadata), from ``cache`` only while no other
+        metadata has been built since it: a drafter that goes back to an earlier subset of rows
+        builds its metadata again rather than reuse what the builder may have overwritten."""
+        hit = cache.get(key)
+        if hit is not None and hit[0] == self.builds:
+            return hit[1]
+        value = build()
+        cache[key] = (self.builds, value)
+        return value
 
     def forward_slots(self) -> list[torch.Tensor]:
         """Each group's KV slot of every row of the target forward now running."""

@@ -76,16 +76,17 @@ class PlanDrafter(Drafter):
         ctx.count_rounds(drafts, rows, plans)
 
     def _run_mixed(self, plans, tables, tokens, pos, step: int):
-        """``PlanExecutor.run_mixed`` with attention metadata per row subset (built once each)."""
+        """``PlanExecutor.run_mixed`` with attention metadata per row subset (built again when
+        another subset's was built in between: ``KVGroups.latest``)."""
         ctx = self.ctx
         built: dict[tuple[int, ...], tuple] = {}
 
         def context(rows: list[int]):
-            key = tuple(rows)
-            if key not in built:
+            def build():
                 idx = torch.tensor(rows, device=pos.device)
-                built[key] = ctx.step_metadata([t[idx] for t in tables], pos[idx], step)
-            md, slot_map = built[key]
+                return ctx.step_metadata([t[idx] for t in tables], pos[idx], step)
+
+            md, slot_map = ctx.kv_groups().latest(built, tuple(rows), build)
             return ctx.forward_context(md, len(rows), slot_map)
 
         return torch.stack(ctx.executor.run_mixed(plans, tokens, pos, context))
