@@ -84,7 +84,7 @@ def test_no_draft_forward_uses_metadata_a_later_build_overwrote(model_path, monk
 
     from vllm_selfspec.engine import drafting, kv_groups
 
-    count = {"builds": 0, "forwards": 0, "rebuilt": 0}
+    count = {"builds": 0, "forwards": 0}
     real_metadata, real_context = kv_groups.KVGroups.metadata, drafting.DraftContext.forward_context
 
     def metadata(self, *args, **kwargs):
