@@ -81,29 +81,33 @@ class _Engine:
         return [dict(self.stats, steps=self.calls), {"ignored": "rank 1"}]
 
 
-def test_collector_pulls_from_a_thread_and_snapshots_on_the_loop():
+@pytest.fixture
+def loop():
+    """An event loop running in a thread of its own, as the API server's is."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    try:
-        engine = _Engine(_stats())
-        col = SelfSpecCollector()
-        col.follow(engine, loop, LABELS, L, 3)
-        col.max_age_s = 0.0  # no coalescing here (test_concurrent_scrapes_share_one_rpc)
-        key = 'vllm:selfspec_steps_total{method="layerskip",model_name="m"}'
-        assert _scrape(col)[key] == 1  # off the loop: a fresh RPC per scrape, rank 0's stats
-        assert _scrape(col)[key] == 2
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
 
-        async def on_loop():
-            first = col.refresh()  # cannot wait on its own loop: the snapshot, refresh scheduled
-            await asyncio.sleep(0.05)
-            return first, col.refresh()
 
-        first, second = asyncio.run_coroutine_threadsafe(on_loop(), loop).result(5)
-        assert first["steps"] == 2 and second["steps"] == 3
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+def test_collector_pulls_from_a_thread_and_snapshots_on_the_loop(loop):
+    engine = _Engine(_stats())
+    col = SelfSpecCollector()
+    col.follow(engine, loop, LABELS, L, 3)
+    col.max_age_s = 0.0  # no coalescing here (test_concurrent_scrapes_share_one_rpc)
+    key = 'vllm:selfspec_steps_total{method="layerskip",model_name="m"}'
+    assert _scrape(col)[key] == 1  # off the loop: a fresh RPC per scrape, rank 0's stats
+    assert _scrape(col)[key] == 2
+
+    async def on_loop():
+        first = col.refresh()  # cannot wait on its own loop: the snapshot, refresh scheduled
+        await asyncio.sleep(0.05)
+        return first, col.refresh()
+
+    first, second = asyncio.run_coroutine_threadsafe(on_loop(), loop).result(5)
+    assert first["steps"] == 2 and second["steps"] == 3
 
 
 def test_cascade_families():
@@ -172,24 +176,17 @@ class _SlowEngine(_Engine):
         return await super().collective_rpc(method, timeout)
 
 
-def test_concurrent_scrapes_share_one_rpc():
+def test_concurrent_scrapes_share_one_rpc(loop):
     """50 scrapes at once cost the engine one stats RPC, and scrapes within the snapshot's
     age none: a scrape flood cannot put calls between every engine step."""
     from concurrent.futures import ThreadPoolExecutor
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        engine = _SlowEngine(_stats())
-        col = SelfSpecCollector()
-        col.follow(engine, loop, LABELS, L, 3)
-        with ThreadPoolExecutor(50) as pool:
-            got = list(pool.map(lambda _: col.refresh()["steps"], range(50)))
-        assert engine.calls == 1 and got == [1] * 50
-        assert col.refresh()["steps"] == 1 and engine.calls == 1  # within max_age_s
-        col.max_age_s = 0.0
-        assert col.refresh()["steps"] == 2 and engine.calls == 2  # past it: pulled again
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    engine = _SlowEngine(_stats())
+    col = SelfSpecCollector()
+    col.follow(engine, loop, LABELS, L, 3)
+    with ThreadPoolExecutor(50) as pool:
+        got = list(pool.map(lambda _: col.refresh()["steps"], range(50)))
+    assert engine.calls == 1 and got == [1] * 50
+    assert col.refresh()["steps"] == 1 and engine.calls == 1  # within max_age_s
+    col.max_age_s = 0.0
+    assert col.refresh()["steps"] == 2 and engine.calls == 2  # past it: pulled again
