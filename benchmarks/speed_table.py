@@ -63,10 +63,10 @@ def table(runs: list[dict]) -> str:
     for r in runs:
         methods += [n for n in r["methods"] if n != "vanilla" and n not in methods]
     lines = [
-        "| prompts | batch | mode | vanilla tok/s | "
+        "| prompts | batch | new tokens | mode | vanilla tok/s | "
         + " | ".join(f"{m} (acceptance)" for m in methods)
         + " | parity |",
-        "|" + "---|" * (5 + len(methods)),
+        "|" + "---|" * (6 + len(methods)),
     ]
     for r in runs:
         s, ms = r["settings"], r["methods"]
@@ -74,7 +74,7 @@ def table(runs: list[dict]) -> str:
         cells = [_cell(ms[m]) if m in ms else "–" for m in methods]
         mode = "eager" if s.get("engine_args", {}).get("enforce_eager") else "compiled"
         lines.append(
-            f"| {s['prompts']} | {s['batch_size']} | {mode} | "
+            f"| {s['prompts']} | {s['batch_size']} | {s['max_tokens']} | {mode} | "
             f"{ms['vanilla']['tokens_per_s']:.1f} | " + " | ".join(cells) + f" | {parity:.2f} |"
         )
     return "\n".join(lines)
