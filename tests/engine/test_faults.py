@@ -64,17 +64,32 @@ class _Build(dict):
     number = 0
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        # DEL gives requests different exits: mixed forwards, one row subset per plan
-        {"method": "del", "num_speculative_tokens": 3},
-        # KnapSpec's search runs candidate skip sets over subsets of its reference rows
-        {"method": "knapspec", "num_speculative_tokens": 3},
-    ],
-    ids=["del", "knapspec"],
-)
-def test_no_draft_forward_uses_metadata_a_later_build_overwrote(model_path, monkeypatch, spec):
+def mixed_plans(monkeypatch) -> dict:
+    """LayerSkip giving requests three different plans in turn: each draft step runs one forward
+    over row subsets per layer (``PlanExecutor.run_mixed``), going back to earlier subsets."""
+    from vllm_selfspec.plans import LayerPlan
+    from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy
+
+    plans = [
+        LayerPlan.prefix(30, 30),
+        LayerPlan.prefix(30, 12),
+        LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24),
+    ]
+    turn = itertools.count()
+    monkeypatch.setattr(LayerSkipPolicy, "new_state", lambda self: next(turn) % len(plans))
+    monkeypatch.setattr(
+        LayerSkipPolicy, "propose", lambda self, state: DraftDecision(plans[state], 3)
+    )
+    return {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
+
+
+def knapspec(monkeypatch) -> dict:
+    """KnapSpec's search runs candidate skip sets over subsets of its reference rows."""
+    return {"method": "knapspec", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("setup", [mixed_plans, knapspec], ids=["mixed-plans", "knapspec"])
+def test_no_draft_forward_uses_metadata_a_later_build_overwrote(model_path, monkeypatch, setup):
     """A metadata builder may keep the plan of its last build in buffers every build overwrites
     (FlashInfer's wrappers, vLLM's default on Blackwell GPUs): metadata built earlier is stale
     once anything is built again. A stand-in for such a builder numbers every build, and each
@@ -102,6 +117,7 @@ def test_no_draft_forward_uses_metadata_a_later_build_overwrote(model_path, monk
 
     monkeypatch.setattr(kv_groups.KVGroups, "metadata", metadata)
     monkeypatch.setattr(drafting.DraftContext, "forward_context", forward_context)
+    spec = setup(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     with engine(model_path, speculative_config=spec) as llm:
         llm.generate(PROMPTS, params, use_tqdm=False)
