@@ -164,3 +164,38 @@ def test_drafts_that_ride_with_the_output_reach_the_scheduler_without_an_rpc():
     _step(core, Output())
     _step(core, Output())
     assert core.scheduler.updates == ["drafts"] and core.rpcs == 2
+
+
+@pytest.mark.parametrize(
+    "method, cpu, eager, refused",
+    [
+        ("adadecode", False, False, True),  # CUDA graphs cannot replay a layer-by-layer target
+        ("adadecode", False, True, False),
+        ("adadecode", True, False, False),  # the CPU has no CUDA graphs
+        ("layerskip", False, False, False),
+    ],
+)
+def test_the_cuda_graph_guard_on_a_cuda_platform(monkeypatch, method, cpu, eager, refused):
+    """The start-up check that only a CUDA machine reaches, run with the platform check
+    patched: a method that replaces the target forward needs enforce_eager there."""
+    from types import SimpleNamespace
+
+    from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+
+    cfg = SelfSpecConfig.load({"method": method})
+    monkeypatch.setattr(compat, "is_cpu", lambda: cpu)
+    monkeypatch.setattr(compat, "model_info", lambda vllm_config: None)
+    monkeypatch.setattr(SelfSpecConfig, "resolved", lambda self, model: self)
+    monkeypatch.setattr(SelfSpecConfig, "validate_for_model", lambda self, model: None)
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        kv_transfer_config=None,
+        model_config=SimpleNamespace(model="m", enforce_eager=eager),
+        additional_config={},
+    )
+    if refused:
+        with pytest.raises(SelfSpecConfigError, match="CUDA graphs cannot replay"):
+            plugin.check_vllm_config(vllm_config, cfg)
+    else:
+        assert plugin.check_vllm_config(vllm_config, cfg) is cfg
+        assert vllm_config.additional_config["selfspec"] == cfg.stored()
