@@ -218,3 +218,25 @@ def save_passthrough_top(model_path: str, out, keep: int) -> str:
                 t.zero_()
         save_file(tensors, out / f.name, metadata={"format": "pt"})
     return str(out)
+
+
+def rotate_layerskip_plans(monkeypatch) -> list:
+    """LayerSkip gives each new request the next of three plans (whole layers to the end, an
+    early exit, a skip set), 3 drafts a round: a batch then drafts through mixed forwards
+    (``PlanExecutor.run_mixed``). Returns the plans. Engines in this process only."""
+    import itertools
+
+    from vllm_selfspec.plans import LayerPlan
+    from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy
+
+    plans = [
+        LayerPlan.prefix(30, 30),
+        LayerPlan.prefix(30, 12),
+        LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24),
+    ]
+    turn = itertools.count()
+    monkeypatch.setattr(LayerSkipPolicy, "new_state", lambda self: next(turn) % len(plans))
+    monkeypatch.setattr(
+        LayerSkipPolicy, "propose", lambda self, state: DraftDecision(plans[state], 3)
+    )
+    return plans

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 import vllm_selfspec
-from selfspec_testing import engine, token_ids
+from selfspec_testing import engine, rotate_layerskip_plans, token_ids
 
 pytestmark = pytest.mark.engine
 
@@ -67,19 +67,7 @@ class _Build(dict):
 def mixed_plans(monkeypatch) -> dict:
     """LayerSkip giving requests three different plans in turn: each draft step runs one forward
     over row subsets per layer (``PlanExecutor.run_mixed``), going back to earlier subsets."""
-    from vllm_selfspec.plans import LayerPlan
-    from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy
-
-    plans = [
-        LayerPlan.prefix(30, 30),
-        LayerPlan.prefix(30, 12),
-        LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24),
-    ]
-    turn = itertools.count()
-    monkeypatch.setattr(LayerSkipPolicy, "new_state", lambda self: next(turn) % len(plans))
-    monkeypatch.setattr(
-        LayerSkipPolicy, "propose", lambda self, state: DraftDecision(plans[state], 3)
-    )
+    rotate_layerskip_plans(monkeypatch)
     return {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
 
 

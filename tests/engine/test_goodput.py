@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import vllm_selfspec
-from selfspec_testing import engine, greedy_one_by_one_and_together
+from selfspec_testing import engine, greedy_one_by_one_and_together, rotate_layerskip_plans
 from vllm_selfspec.config import auto_method
 from vllm_selfspec.goodput import AcceptanceTracker
 from vllm_selfspec.vocab import cached_generations
@@ -121,22 +121,8 @@ def test_controller_cuts_self_drafts_and_keeps_parity(model_path, vanilla):
 def test_requests_with_different_plans_draft_in_one_forward(model_path, vanilla, monkeypatch):
     """Requests whose plans differ (a deep and a shallow exit, a skip set) share each draft
     step's forward (PlanExecutor.run_mixed): one forward per draft step, not one per plan."""
-    import itertools
-
-    from vllm_selfspec.plans import LayerPlan
-    from vllm_selfspec.policies import DraftDecision, LayerSkipPolicy
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the patches reach the worker
-    plans = [
-        LayerPlan.prefix(30, 30),
-        LayerPlan.prefix(30, 12),
-        LayerPlan.skip(30, skip_attn=[3, 5], skip_mlp=[7], exit_layer=24),
-    ]
-    turn = itertools.count()
-    monkeypatch.setattr(LayerSkipPolicy, "new_state", lambda self: next(turn) % len(plans))
-    monkeypatch.setattr(
-        LayerSkipPolicy, "propose", lambda self, state: DraftDecision(plans[state], 3)
-    )
+    plans = rotate_layerskip_plans(monkeypatch)
     spec = {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
     with engine(model_path, speculative_config=spec, **SETTINGS) as llm:
         out = _run(llm)
