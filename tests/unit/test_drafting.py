@@ -86,8 +86,8 @@ def test_a_row_with_non_finite_logits_drafts_nothing_and_is_counted(bad):
 
 def test_finite_rows_keeps_finite_rows_as_they_are():
     logits = torch.tensor([[1.0, -2.0], [float("nan"), 0.0]])
-    valid, clean = finite_rows(logits)
-    assert valid.tolist() == [True, False]
+    valid, clean, invalid = finite_rows(logits)
+    assert valid.tolist() == [True, False] and invalid == 1
     assert torch.equal(clean[0], logits[0]) and torch.equal(clean[1], torch.zeros(2))
 
 

@@ -135,11 +135,9 @@ class _DraftBackend:
         idx = self._idx(rows)
         x = self.h[idx] + self.res[idx]
         head = self.exe.heads[f"heads@{layer}"]
-        valid, logits = finite_rows(
-            self.exe.project(self.exe.layout.norm(head.transform(x))).float()
-        )
-        if not bool(valid.all()):  # no valid draft distribution: such a row is never confident
-            self.ctx.stats.invalid_draft_rows += int((~valid).sum())
+        logits = self.exe.project(self.exe.layout.norm(head.transform(x))).float()
+        valid, logits, invalid = finite_rows(logits)
+        self.ctx.stats.invalid_draft_rows += invalid  # such a row is never confident
         temps = torch.tensor([self.temps[r] for r in requests], device=logits.device)
         sampled = temps > 0
         q = torch.softmax(logits / torch.where(sampled, temps, 1.0)[:, None], -1)

@@ -46,13 +46,17 @@ from .kv_groups import KVGroups
 NO_DRAFT = -1
 
 
-def finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid [n] bool, logits with every row of a non-finite value replaced by zeros): the
-    rows a draft distribution can come from, and logits that ``argmax``, ``softmax`` and
-    ``torch.multinomial`` (which raises on NaN and inf) can take whole. A replaced row's token
-    is never drafted."""
+def finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(valid [n] bool, logits with every row of a non-finite value replaced by zeros, the
+    number of such rows): the rows a draft distribution can come from, and logits that
+    ``argmax``, ``softmax`` and ``torch.multinomial`` (which raises on NaN and inf) can take
+    whole. A replaced row's token is never drafted. One host sync; no copy when all are valid."""
     valid = torch.isfinite(logits).all(dim=-1)
-    return valid, torch.where(valid[:, None], logits, torch.zeros((), dtype=logits.dtype))
+    invalid = len(valid) - int(valid.sum())
+    if not invalid:
+        return valid, logits, 0
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    return valid, torch.where(valid[:, None], logits, zero), invalid
 
 
 def peak_shapes(
@@ -220,9 +224,8 @@ class DraftContext:
         model) has no valid draft distribution: its token is ``NO_DRAFT``, its round ends
         there (the drafters keep only tokens >= 0), and ``stats.invalid_draft_rows`` counts
         it. The target's verification never sees it, so the output is what it would be."""
-        valid, logits = finite_rows(logits)
-        if not bool(valid.all()):
-            self.stats.invalid_draft_rows += int((~valid).sum())
+        valid, logits, invalid = finite_rows(logits)
+        self.stats.invalid_draft_rows += invalid
         vocab_ids = self.executor.vocab_ids  # logits column -> token id (None: the identity)
         nxt = logits.argmax(dim=-1)
         if temps is not None:
