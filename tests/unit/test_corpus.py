@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_selfspec.heads.corpus import general_requests, stdlib_functions
-from vllm_selfspec.tools.prompts import CHAT_FILE, PASSAGES_FILE, _humaneval
+from vllm_selfspec.tools.prompts import CHAT_FILE, EDITS_FILE, PASSAGES_FILE, _humaneval
 
 
 def _user_texts(path) -> list[str]:
@@ -25,8 +25,9 @@ def test_requests_are_many_distinct_and_deterministic():
     assert general_requests(50, seed=1) != reqs[:50]
 
 
-def test_requests_share_no_text_with_the_chat_and_passages_sets():
-    bench = [t.strip().lower() for t in _user_texts(CHAT_FILE) + _user_texts(PASSAGES_FILE)]
+def test_requests_share_no_text_with_the_benchmark_sets():
+    files = (CHAT_FILE, PASSAGES_FILE, EDITS_FILE)
+    bench = [t.strip().lower() for f in files for t in _user_texts(f)]
     for r in general_requests(10**6):
         r = r.lower()
         assert all(r not in b and b not in r for b in bench), r

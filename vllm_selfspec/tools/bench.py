@@ -118,8 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="humaneval",
         help='"humaneval" (raw completion), "humaneval-chat" (chat-templated, '
         'asked to complete the function), "chat" (built-in chat set), '
-        '"passages" (work on given texts, multi-turn dialogues) or a JSONL '
-        'file of {"prompt": ...} / {"messages": [...]} lines',
+        '"passages" (work on given texts, multi-turn dialogues), "edits" (edits, rewrites '
+        'and reformatting of a given text or code) or a JSONL file of {"prompt": ...} / '
+        '{"messages": [...]} lines',
     )
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)

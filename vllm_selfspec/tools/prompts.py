@@ -16,6 +16,8 @@ CHAT_FILE = Path(__file__).parent / "data" / "chat.jsonl"
 #: given text (summaries, questions on a passage, rewriting, translation, extraction) and
 #: multi-turn dialogues; never used to train heads or tune anything
 PASSAGES_FILE = Path(__file__).parent / "data" / "passages.jsonl"
+#: code edits, rewrites, renames and reformatting of a given text: output that repeats its context
+EDITS_FILE = Path(__file__).parent / "data" / "edits.jsonl"
 
 
 def humaneval_path() -> Path:
@@ -108,7 +110,8 @@ def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> l
     "humaneval-chat" -> the same, chat-templated with an instruction to complete the function
     (how an instruct model is asked; ``quality`` then scores the code block); "chat" -> the built-in
     chat set (``data/chat.jsonl``); "passages" -> work on given texts and multi-turn dialogues
-    (``data/passages.jsonl``); otherwise a JSONL
+    (``data/passages.jsonl``); "edits" -> edits, rewrites and reformatting of a given text or
+    code, whose output repeats much of its context (``data/edits.jsonl``); otherwise a JSONL
     file whose lines are ``{"prompt": str}`` or ``{"messages": [...]}`` (chat-templated with the
     tokenizer at ``tokenizer_path``). ``num_prompts`` None means all of them."""
     if num_prompts is not None and num_prompts < 1:
@@ -121,4 +124,6 @@ def load_prompts(source: str, num_prompts: int | None, tokenizer_path: str) -> l
         source = str(CHAT_FILE)
     elif source == "passages":
         source = str(PASSAGES_FILE)
+    elif source == "edits":
+        source = str(EDITS_FILE)
     return _jsonl(source, num_prompts, tokenizer_path)
