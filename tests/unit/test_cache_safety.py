@@ -4,8 +4,9 @@ heads, vocabulary and latency caches that use it): each test plants one fault.""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,33 +96,35 @@ def test_a_crash_while_publishing_leaves_a_whole_version(tmp_path, monkeypatch, 
     assert version_of(out) == {"c"} and leftovers(out) == [".cache.lock"]
 
 
-def _writer(out: str, tag: str, start: float) -> None:
-    time.sleep(max(0.0, start - time.time()))
-    for _ in range(5):
-        with cachedir.staged(out) as tmp:
-            for i in range(20):
-                (tmp / f"part{i}").write_text(tag)
-                time.sleep(0.001)
+#: a writer process: five versions of 20 files, each file written a millisecond apart
+WRITER = """
+import sys, time
+from vllm_selfspec import cachedir
+out, tag, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))
+for _ in range(5):
+    with cachedir.staged(out) as tmp:
+        for i in range(20):
+            (tmp / f"part{i}").write_text(tag)
+            time.sleep(0.001)
+"""
 
 
 def test_concurrent_writers_never_mix_their_versions(tmp_path):
     out = tmp_path / "cache"
-    ctx = mp.get_context("spawn")
     start = time.time() + 3.0
-    procs = [ctx.Process(target=_writer, args=(str(out), t, start)) for t in "xyz"]
-    for p in procs:
-        p.start()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(out), t, str(start)]) for t in "xyz"
+    ]
     seen = set()
-    while any(p.is_alive() for p in procs):
+    while any(p.poll() is None for p in procs):
         if not out.exists():  # before the first publish
             continue
         with cachedir.reading(out):
             tags = version_of(out)
         if tags:
             seen.add(frozenset(tags))
-    for p in procs:
-        p.join()
-        assert p.exitcode == 0
+    assert [p.wait() for p in procs] == [0, 0, 0]
     assert all(len(t) == 1 for t in seen), seen  # a reader never saw two versions mixed
     assert len(version_of(out)) == 1 and len(list(out.iterdir())) == 20
     assert leftovers(out) == [".cache.lock"]
