@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import vllm_selfspec
-from selfspec_testing import engine, token_ids
+from selfspec_testing import engine, rotate_layerskip_plans, token_ids
 from vllm_testing import cuda_inplace_add_rmsnorm
 
 pytestmark = pytest.mark.engine
@@ -19,25 +19,33 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+def exit_plan(monkeypatch) -> dict:
+    """Whole layers to an exit, then the model's final norm and head."""
+    return {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 3}
+
+
+def sub_layers(monkeypatch) -> dict:
+    """Attention and MLP sub-layers one at a time, some skipped."""
+    return {
+        "method": "layerskip",
+        "exit_layer": 30,
+        "skip_attn": [3, 9],
+        "skip_mlp": [5],
+        "num_speculative_tokens": 3,
+    }
+
+
+def mixed_plans(monkeypatch) -> dict:
+    """Requests of three plans in one forward: each layer's norm on a subset of the rows."""
+    rotate_layerskip_plans(monkeypatch)
+    return {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
+
+
 @pytest.mark.parametrize(
-    "spec",
-    [
-        # whole layers to an exit, then the model's final norm and head
-        {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 3},
-        # attention and MLP sub-layers one at a time, some skipped
-        {
-            "method": "layerskip",
-            "exit_layer": 30,
-            "skip_attn": [3, 9],
-            "skip_mlp": [5],
-            "num_speculative_tokens": 3,
-        },
-        # shadow tokens from captured hidden states, several exits in one forward
-        {"method": "del", "num_speculative_tokens": 3},
-    ],
-    ids=["exit", "sub-layers", "del"],
+    "setup", [exit_plan, sub_layers, mixed_plans], ids=["exit", "sub-layers", "mixed-plans"]
 )
-def test_parity_with_add_rmsnorm_in_place(model_path, monkeypatch, spec):
+def test_parity_with_add_rmsnorm_in_place(model_path, monkeypatch, setup):
+    spec = setup(monkeypatch)
     calls = cuda_inplace_add_rmsnorm(monkeypatch)  # the engines run in this process
     from vllm import SamplingParams
 
