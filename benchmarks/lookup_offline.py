@@ -11,8 +11,7 @@ speedup ``tokens / (steps + c * drafted)``, c = ``--verify-cost``, the seconds o
 token over a plain step's (on this project's CPU, measured: ~0.08 at batch 1, ~0.3 of a request's
 share at batch 8). "oracle" verifies exactly the tokens that will be accepted: the bound no
 choice of draft lengths can pass with these proposals. Also prints the acceptance of lookup
-tokens by match length (first token of a draft) and position (later tokens), which is what the
-goodput controller estimates online.
+tokens per slot (``lookup.slot``), which is what the goodput controller estimates online.
 """
 
 from __future__ import annotations
@@ -71,32 +70,57 @@ def replay(seqs, propose, cost: float, oracle: bool = False) -> dict:
     }
 
 
-def context_lookup(k: int, lo: int, hi: int):
+def context_lookup(k: int, **options):
+    """This project's context lookup (``lookup.ContextIndex``), the request's own tree only."""
     from vllm_selfspec.lookup import ContextIndex
 
     def propose(tokens, state):
-        index = state.setdefault("index", ContextIndex(hi, lo))
+        index = state.setdefault("index", ContextIndex(options))
         index.extend(tokens[len(index) :])
         return index.propose(k)[0]
 
     return propose
 
 
-def slot_acceptance(seqs, hi: int = 4) -> dict:
-    """Acceptance of context-lookup tokens: first tokens by match length, later ones by
-    position, over every decoding position."""
-    from vllm_selfspec.lookup import ContextIndex
+def suffix_decoding(k: int, depth: int = 24, factor: float = 1.0, min_prob: float = 0.1):
+    """vLLM's ``suffix`` method as its proposer calls ArcticInference's cache (one request at a
+    time, no other request's outputs)."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    def propose(tokens, state):
+        if "cache" not in state:
+            state["cache"] = SuffixDecodingCache(depth, max_cached_requests=0)
+            state["cache"].start_request("r", tokens)
+            state["n"] = len(tokens)
+        cache = state["cache"]
+        if len(tokens) > state["n"]:
+            cache.add_active_response("r", tokens[state["n"] :])
+            state["n"] = len(tokens)
+        draft = cache.speculate(
+            "r", tokens[-depth:], max_spec_tokens=k, max_spec_factor=factor, min_token_prob=min_prob
+        )
+        return draft.token_ids
+
+    return propose
+
+
+def slot_acceptance(seqs, k: int = 16) -> dict:
+    """Acceptance of context-lookup tokens per slot (``lookup.slot``: match length bucket and the
+    tree's estimate bucket), over every decoding position: what the goodput controller learns
+    online."""
+    from vllm_selfspec.lookup import ESTIMATE_BUCKETS, ContextIndex
 
     tried, hit = defaultdict(int), defaultdict(int)
+    per = len(ESTIMATE_BUCKETS) + 1
     for prompt_len, tokens in seqs:
-        index = ContextIndex(hi, 1)
+        index = ContextIndex()
         index.extend(tokens[:prompt_len])
         for t in range(prompt_len, len(tokens)):
-            draft, slots = index.propose(6)
-            for j, (x, n) in enumerate(zip(draft, slots)):
+            draft, slots = index.propose(k)
+            for j, (x, s) in enumerate(zip(draft, slots)):
                 if t + j >= len(tokens):
                     break
-                key = f"first, match {n}" if j == 0 else f"later, position {min(j, 3) + 1}"
+                key = f"match>={2 ** (s // per)} est{s % per}"
                 tried[key] += 1
                 if x != tokens[t + j]:
                     break
@@ -118,9 +142,10 @@ def main() -> None:
     model = resolve_model(args.model)
     drafters = {
         "vLLM ngram (k 4, n 2-4)": lambda toks, st: ngram_propose(toks, 4, 2, 4),
-        "context lookup (k 6, n 1-4)": context_lookup(6, 1, 4),
-        "context lookup (k 6, n 2-4)": context_lookup(6, 2, 4),
-        "context lookup (k 4, n 2-4)": context_lookup(4, 2, 4),
+        "vLLM suffix (k 24)": suffix_decoding(24),
+        "context lookup (k 6)": context_lookup(6),
+        "context lookup (k 16)": context_lookup(16),
+        "context lookup (k 24)": context_lookup(24),
     }
     for prompt_set in args.prompts.split(","):
         seqs = greedy_outputs(model, prompt_set, args.num_prompts, args.max_tokens)
@@ -128,8 +153,8 @@ def main() -> None:
         for name, propose in drafters.items():
             print(f"  {name:30s} {replay(seqs, propose, args.verify_cost)}")
         print(
-            f"  {'oracle over lookup (n 1-4)':30s} "
-            f"{replay(seqs, context_lookup(6, 1, 4), args.verify_cost, oracle=True)}"
+            f"  {'oracle over lookup (k 16)':30s} "
+            f"{replay(seqs, context_lookup(16), args.verify_cost, oracle=True)}"
         )
         print(f"  acceptance by slot: {slot_acceptance(seqs)}")
 

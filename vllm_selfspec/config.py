@@ -16,9 +16,10 @@ cached map, else the full vocabulary) with ``draft_vocab`` (the token-frequency 
 the model's cached one, see ``vocab.py``), ``goodput`` (true: the goodput controller of
 ``goodput/`` chooses every request's draft length for the whole batch from measured costs, 0
 when drafting does not pay; false: each policy's own draft lengths, as they are), ``lookup``
-(true or ``{"max_ngram": 4, "min_ngram": 2}``: free drafts from the request's own context,
-``lookup.py``, taken where they are expected to beat the method's self-draft) and the method's
-own options (``policies/<method>.py``).
+(true or ``{"max_spec_factor": 2.0, ...}``: free drafts from the request's own context and
+others' outputs, ``lookup.py``, taken where they are expected to beat the method's self-draft),
+``self_draft_tokens`` (the most tokens of a self-draft round; null: ``num_speculative_tokens``,
+which lookup drafts may take whole) and the method's own options (``policies/<method>.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ COMMON_OPTIONS: dict[str, Any] = {
     "draft_vocab": "auto",
     "goodput": True,
     "lookup": False,
+    "self_draft_tokens": None,
 }
 #: draft_vocab_size "auto": the reduced vocabulary for the embedded model
 #: (docs/methods.md, "Cheap draft steps")
@@ -58,7 +60,14 @@ MAX_CAPTURE_TOKENS = 256
 #: ``method: "auto"``: context lookup + the strongest self-drafter this model has what it needs
 #: for (``auto_method``), under the goodput controller; it takes only these options
 AUTO = "auto"
-AUTO_OPTIONS: dict[str, Any] = {"num_speculative_tokens": 6, "goodput": True, "lookup": True}
+#: (a lookup draft may be as long as its match, SuffixDecoding's way: up to 16 tokens; a self-draft
+#: round, whose every token costs a draft step, at most 6)
+AUTO_OPTIONS: dict[str, Any] = {
+    "num_speculative_tokens": 16,
+    "self_draft_tokens": 6,
+    "goodput": True,
+    "lookup": True,
+}
 
 
 def methods() -> list[str]:
@@ -201,6 +210,9 @@ class SelfSpecConfig:
     draft_vocab: str | None = "auto"  # a map directory once resolved
     goodput: bool = True  # the batch-wide goodput controller caps every draft length
     lookup: dict[str, Any] = field(default_factory=dict)  # context-lookup options ({}: off)
+    #: the most tokens of one self-draft round (None: num_speculative_tokens); a lookup draft,
+    #: which costs no draft step, may take all num_speculative_tokens
+    self_draft_tokens: int | None = None
 
     @classmethod
     def load(cls, spec: Any) -> SelfSpecConfig:
@@ -260,6 +272,12 @@ class SelfSpecConfig:
             raise SelfSpecConfigError(
                 f'draft_vocab must be "auto" or a draft-vocabulary directory, got {vocab!r}'
             )
+        self_k = merged.pop("self_draft_tokens")
+        if self_k is not None and (not is_int(self_k) or not 1 <= self_k <= k):
+            raise SelfSpecConfigError(
+                f"self_draft_tokens must be null or an integer in [1, num_speculative_tokens="
+                f"{k}], got {self_k!r}"
+            )
         goodput = merged.pop("goodput")
         if not isinstance(goodput, bool):
             raise SelfSpecConfigError(f"goodput must be true or false, got {goodput!r}")
@@ -286,6 +304,7 @@ class SelfSpecConfig:
             draft_vocab=vocab,
             goodput=goodput,
             lookup=lookup,
+            self_draft_tokens=self_k,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -297,6 +316,7 @@ class SelfSpecConfig:
             "draft_vocab": self.draft_vocab,
             "goodput": self.goodput,
             "lookup": self.lookup or False,
+            "self_draft_tokens": self.self_draft_tokens,
             **self.options,
         }
 
@@ -321,6 +341,7 @@ class SelfSpecConfig:
             draft_vocab=options.pop("draft_vocab"),
             goodput=options.pop("goodput"),
             lookup=options.pop("lookup") or {},
+            self_draft_tokens=options.pop("self_draft_tokens"),
             options=options,
         )
 
@@ -401,6 +422,7 @@ class SelfSpecConfig:
                     "num_speculative_tokens": self.num_speculative_tokens,
                     "goodput": self.goodput,
                     "lookup": self.lookup or False,
+                    "self_draft_tokens": self.self_draft_tokens,
                 }
             ).resolved(model_path)
         options = self._resolved_heads(model_path)
@@ -429,6 +451,7 @@ class SelfSpecConfig:
             vocab,
             self.goodput,
             self._resolved_lookup(model_path),
+            self.self_draft_tokens,
         )
 
     def _resolved_lookup(self, model_path: str) -> dict[str, Any]:
@@ -467,6 +490,7 @@ class SelfSpecConfig:
 
     def make_policy(self, model: ModelInfo):
         """The method's policy for ``model``, with its trained heads' config.json (``heads``)."""
-        return POLICIES[self.method](
-            self.options, model, self.num_speculative_tokens, self._heads_config(model)
-        )
+        k = self.num_speculative_tokens
+        if self.self_draft_tokens is not None:
+            k = min(k, self.self_draft_tokens)
+        return POLICIES[self.method](self.options, model, k, self._heads_config(model))

@@ -1,32 +1,37 @@
-"""Context lookup: free drafts from what a request has already seen (pure Python, no vLLM).
+"""Context lookup: free drafts from what a request has already seen (no vLLM, no torch).
 
 Prompt lookup (vLLM's ``ngram``) copies the tokens that followed the last occurrence of the
-request's last n tokens. ``ContextIndex`` goes further, in the manner of SuffixDecoding:
+request's last n tokens. This module drafts as SuffixDecoding does (vLLM's ``suffix`` method),
+on the same suffix trees: ArcticInference's ``SuffixTree`` (C++, ``arctic_inference``'s
+``suffix_decoding`` module, which ``make`` builds from its PyPI sdist: ``scripts/``).
 
-* it keeps, for every n-gram of the request's tokens (prompt + output, ``min_n``..``max_n``
-  tokens long), how often each token followed it — updated incrementally as tokens arrive
-  (each new token adds ``max_n`` entries; nothing is ever rescanned);
-* a draft is a walk: at each position the longest n-gram ending there that was seen before
-  proposes its most frequent follower (the latest one on ties), and the walk continues from the
-  drafted token, so a draft can follow a repeated pattern past the end of its first match;
-* beside the request's own index, ``SharedIndex`` holds the outputs of recently finished
-  requests of the same tenant (bounded; ``"shared"``: "tenant", "global" or "off") and, pinned,
-  a *datastore*: the model's own greedy generations on an offline corpus (``"datastore"``: the
-  draft-vocabulary map's, ``vocab.py``), so a request has the model's habitual phrasing to draft
-  from before any other request has finished. At each position of a walk the longest match of
-  the indexes proposes (the request's own on ties: its context is the more specific);
-* each draft token carries its *slot*, the length of the match that proposed it (shared-index
-  matches in slots of their own): the engine measures acceptance per slot
-  (``goodput.AcceptanceTracker``) and the goodput controller decides how many of the tokens to
-  verify (a lookup draft costs no draft step, only its verification).
+* A suffix tree of a token sequence holds every substring of it up to ``max_depth`` tokens,
+  with how often each occurred. ``speculate`` matches the end of the context in the tree and
+  walks down its most frequent continuation: each draft token carries the tree's estimate of
+  the probability that the draft is right up to it (counts along the path). The walk stops
+  where that estimate falls below ``min_token_prob`` (a rare branch is not drafted) or past
+  ``max_spec_factor`` times the match's length (a short match drafts little): the draft
+  length follows the match.
+* A request's own tree (``ContextIndex``) holds its prompt's last ``window`` tokens and all of
+  its output, updated as tokens arrive; a long prompt is indexed from its end back, at most
+  ``budget`` tokens per engine step, so that admitting it does not stall the batch.
+* ``SharedIndex`` holds, per *tenant*, the outputs of its recently finished requests (bounded:
+  the oldest go first), and, pinned, a *datastore*: the model's own greedy generations on an
+  offline corpus (the draft-vocabulary map's, ``vocab.py``), so a request has the model's
+  habitual phrasing to draft from before any other request has finished. A request drafts from
+  its own tree, its tenant's outputs and the datastore: the draft with the highest expected
+  number of accepted tokens (the sum of its estimates) wins, its own on ties.
+* Each draft token carries its *slot* (``slot``): where it came from (own context, shared),
+  its match's length and its estimate, in buckets. The engine measures acceptance per slot
+  (``goodput.AcceptanceTracker``), so the goodput controller prices a draft by what such
+  drafts achieved on this model, and decides how many of its tokens to verify.
 
-Worked example (``max_n=3, min_n=2``)::
+Worked example (``max_depth=8``, factor 1, minimum estimate 0.1)::
 
     tokens:  a b c d a b c e a b
-    index:   "a b" -> {c: 2}, "b c" -> {d: 1, e: 1}, "a b c" -> {d: 1, e: 1}, ...
-    propose(4) after "... a b":  "e a b" was never followed, "a b" -> c (match 2); then
-             "a b c" -> e (match 3: e is the later of two equally frequent followers);
-             "b c e" -> a (match 3); "c e a" -> b (match 3)  => [c, e, a, b], matches [2, 3, 3, 3]
+    propose(4): the end "a b" (match 2) occurred twice, followed by "c d" and "c e": the
+        draft is "c" (estimate 2/2 = 1.0), then "d" or "e" (1/2 = 0.5); 2 tokens at most
+        (factor 1 x match 2)  =>  [c, d], estimates [1.0, 0.5]
 """
 
 from __future__ import annotations
@@ -34,13 +39,49 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-#: lookup options of the config (``"lookup": true`` takes these; a dict overrides them);
+#: lookup options of the config (``"lookup": true`` takes these; a dict overrides them), with
+#: SuffixDecoding's (and vLLM's ``suffix`` method's) defaults for the tree and the draft length:
+#: ``max_depth``: the longest match (and context suffix) the trees hold;
+#: ``max_spec_factor``: a match of n tokens drafts at most ``max_spec_factor * n`` tokens;
+#: ``min_token_prob``: the walk stops where the tree's estimate falls below it;
+#: ``shared``: whose finished outputs a request drafts from besides its own context and the
+#: datastore: "tenant" (its tenant's: ``request_tenant``), "global" (every request's) or "off";
 #: ``datastore``: "auto" (the model's cached corpus generations, none if it has no map), null
 #: (none) or a draft-vocabulary directory built with ``vllm-selfspec build-vocab``
-#: ``shared``: whose finished outputs a request drafts from besides its own context and the
-#: datastore: "tenant" (its tenant's: ``request_tenant``), "global" (every request's) or "off"
-DEFAULTS = {"max_ngram": 4, "min_ngram": 1, "shared": "tenant", "datastore": "auto"}
+DEFAULTS = {
+    "max_depth": 24,
+    "max_spec_factor": 1.0,
+    "min_token_prob": 0.1,
+    "shared": "tenant",
+    "datastore": "auto",
+}
 SHARING = ("tenant", "global", "off")
+
+#: the most recent prompt tokens a request's tree holds (its output is held whole)
+INDEX_WINDOW = 16384
+#: the most prompt tokens indexed in one engine step: a long prompt is indexed from its end back
+INDEX_BUDGET = 2048
+
+#: slot buckets: a draft token's match length (1, 2-3, 4-7, 8-15, 16+) and its conditional
+#: estimate (its path estimate over its predecessor's: < 0.5, < 0.9, >= 0.9), per source
+MATCH_BUCKETS = 5
+ESTIMATE_BUCKETS = (0.5, 0.9)
+SOURCE_SLOTS = MATCH_BUCKETS * (len(ESTIMATE_BUCKETS) + 1)
+#: slots in all: the request's own context first, then the shared index (``is_shared``)
+SLOTS = 2 * SOURCE_SLOTS
+
+
+def suffix_tree_class():
+    """ArcticInference's ``SuffixTree``, or an ImportError that says how to get it."""
+    try:
+        from arctic_inference.suffix_decoding._C import SuffixTree
+    except ImportError as e:
+        raise ImportError(
+            "context lookup needs ArcticInference's suffix trees (module "
+            "arctic_inference.suffix_decoding): `make` installs it, or run "
+            "`bash scripts/install_suffix_decoding.sh .venv/bin/python`"
+        ) from e
+    return SuffixTree
 
 
 def check_options(options) -> dict:
@@ -70,101 +111,75 @@ def check_options(options) -> dict:
         raise ValueError(
             f'lookup: datastore must be "auto", null or a draft-vocabulary directory, got {store!r}'
         )
-    lo, hi = merged["min_ngram"], merged["max_ngram"]
-    if (
-        not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi))
-        or not 1 <= lo <= hi <= 16
-    ):
-        raise ValueError(
-            f"lookup: need integers 1 <= min_ngram <= max_ngram <= 16, got "
-            f"min_ngram={lo!r}, max_ngram={hi!r}"
-        )
+    depth = merged["max_depth"]
+    if not (isinstance(depth, int) and not isinstance(depth, bool) and 2 <= depth <= 256):
+        raise ValueError(f"lookup: max_depth must be an integer in [2, 256], got {depth!r}")
+    for key, lo, hi in (("max_spec_factor", 0.0, 64.0), ("min_token_prob", 0.0, 1.0)):
+        v = merged[key]
+        if not (isinstance(v, int | float) and not isinstance(v, bool) and lo <= v <= hi):
+            raise ValueError(f"lookup: {key} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        merged[key] = float(v)
     return merged
 
 
-class NGramTable:
-    """n-gram (``min_n``..``max_n`` tokens) -> {token that followed it: (count, last position)}.
+def slot(shared: bool, match_len: int, estimate: float) -> int:
+    """A draft token's slot: its source, its match's length and its conditional estimate."""
+    m = min(max(match_len, 1).bit_length() - 1, MATCH_BUCKETS - 1)
+    e = sum(estimate >= b for b in ESTIMATE_BUCKETS)
+    return shared * SOURCE_SLOTS + m * (len(ESTIMATE_BUCKETS) + 1) + e
 
-    Every key and entry is an immutable tuple of ints (an update replaces the entry), so that
-    Python's garbage collector stops tracking them after their first collection: a datastore of
-    ~50k tokens was ~155k tracked lists and dicts, each of which every full collection of the
-    worker walked (docs/architecture.md, "Runner hooks")."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
-        self.max_n, self.min_n = max_n, min_n
-        self.follow: dict[tuple[int, ...], dict[int, tuple[int, int]]] = {}
-        #: n-gram -> its follower that ``next`` proposes, kept until the n-gram's counts change
-        #: (a frequent token has many followers: the max over them took about half a walk's time
-        #: in a synthetic test of Zipf-distributed tokens)
-        self._best: dict[tuple[int, ...], int] = {}
+def is_shared(s: int) -> bool:
+    """Whether slot ``s`` is the shared index's (other requests' outputs, the datastore)."""
+    return s >= SOURCE_SLOTS
 
-    def _count(self, tokens: Sequence[int], end: int, delta: int) -> None:
-        """Count ``tokens[end]`` as the follower of every n-gram ending just before it."""
-        t = tokens[end]
-        for n in range(self.min_n, min(self.max_n, end) + 1):
-            key = tuple(tokens[end - n : end])
-            self._best.pop(key, None)
-            seen = self.follow.setdefault(key, {})
-            entry = seen.get(t)
-            if entry is None:
-                seen[t] = (delta, end)
-                continue
-            count = entry[0] + delta
-            if count > 0:
-                seen[t] = (count, max(entry[1], end) if delta > 0 else entry[1])
-            else:
-                del seen[t]
-                if not seen:
-                    del self.follow[key]
 
-    def next(self, context: Sequence[int]) -> tuple[int, int] | None:
-        """(token, match length) from the longest n-gram ending the context that was seen."""
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            key = tuple(context[-n:])
-            token = self._best.get(key)
-            if token is not None:
-                return token, n
-            seen = self.follow.get(key)
-            if seen:
-                token = max(seen, key=lambda t: seen[t])  # count, then the latest position
-                self._best[key] = token
-                return token, n
-        return None
+class _Drafting:
+    """How every tree of one engine drafts (the config's options, read once)."""
+
+    def __init__(self, options: dict) -> None:
+        opts = {**DEFAULTS, **options}
+        self.max_depth = int(opts["max_depth"])
+        self.factor = float(opts["max_spec_factor"])
+        self.min_prob = float(opts["min_token_prob"])
+
+    def speculate(self, tree, context: Sequence[int], k: int):
+        """The tree's draft of at most ``k`` tokens after ``context`` (arctic's ``Draft``)."""
+        return tree.speculate(context, k, self.factor, 0.0, self.min_prob, False)
 
 
 class SharedIndex:
     """What a request may draft from beyond its own context: the ``pinned`` datastore sequences,
     and the outputs of recently finished requests of its *tenant* (SuffixDecoding's global
-    tree, kept as n-gram counts, one table per tenant). Bounded: past ``capacity`` tokens over
-    all tenants the oldest outputs are forgotten (their counts taken back); pinned ones stay.
+    tree, one per tenant). Bounded: past ``capacity`` tokens over all tenants the oldest outputs
+    are forgotten; pinned ones stay.
 
-    A request sees one tenant's outputs and the datastore (``view(tenant)``): where both
-    match, the longer match proposes (the tenant's outputs on ties: they are recent). One
-    tenant's outputs are never proposed to another's requests, so acceptance (a streamed
-    multi-token chunk, the shared-lookup counter) says nothing about what another tenant
-    generated. ``"tenant"`` sharing keys outputs by the request's tenant, ``"global"`` puts
-    every output under one key (every request sees every other's), ``"off"`` adds none.
+    A request sees one tenant's outputs and the datastore (``view(tenant)``). One tenant's
+    outputs are never proposed to another's requests, so acceptance (a streamed multi-token
+    chunk, the shared-lookup counter) says nothing about what another tenant generated.
+    ``"tenant"`` sharing keys outputs by the request's tenant, ``"global"`` puts every output
+    under one key (every request sees every other's), ``"off"`` adds none.
     """
 
     def __init__(
-        self,
-        max_n: int = 4,
-        min_n: int = 1,
-        capacity: int = 100_000,
-        pinned: Sequence[Sequence[int]] = (),
+        self, options: dict | None = None, capacity: int = 100_000, pinned: Sequence = ()
     ) -> None:
-        self.max_n, self.min_n = max_n, min_n
+        self.drafting = _Drafting(options or {})
         self.capacity = capacity
-        self.datastore = NGramTable(max_n, min_n)
-        for seq in pinned:
+        tree_cls = suffix_tree_class()
+        self._new_tree = lambda: tree_cls(self.drafting.max_depth)
+        self.datastore = self._new_tree()
+        self.datastore_tokens = 0
+        for seq_id, seq in enumerate(pinned):
             seq = [int(t) for t in seq]
-            for end in range(1, len(seq)):
-                self.datastore._count(seq, end, +1)
-        #: tenant -> the n-gram counts of its requests' outputs (dropped once empty)
-        self.tables: dict[str, NGramTable] = {}
-        #: (tenant, output) of every output counted, oldest first, over all tenants
-        self.outputs: deque[tuple[str, list[int]]] = deque()
+            self.datastore.extend(seq_id, seq)
+            self.datastore_tokens += len(seq)
+        #: tenant -> the suffix tree of its requests' outputs (dropped once empty)
+        self.tables: dict[str, object] = {}
+        #: (tenant, sequence id, tokens) of every output held, oldest first, over all tenants
+        self.outputs: deque[tuple[str, int, int]] = deque()
         self.size = 0
+        self._next_id = 0
 
     def view(self, tenant: str = "") -> TenantView:
         """What a request of ``tenant`` drafts from: its tenant's outputs and the datastore."""
@@ -177,116 +192,113 @@ class SharedIndex:
         self.size = 0
 
     def add(self, tokens: Sequence[int], tenant: str = "") -> None:
-        """Count a finished request's output under its tenant."""
+        """Hold a finished request's output under its tenant."""
         tokens = [int(t) for t in tokens][-self.capacity :]
-        table = self.tables.get(tenant)
-        if table is None:
-            table = self.tables[tenant] = NGramTable(self.max_n, self.min_n)
-        for end in range(1, len(tokens)):
-            table._count(tokens, end, +1)
-        self.outputs.append((tenant, tokens))
+        if not tokens:
+            return
+        tree = self.tables.get(tenant)
+        if tree is None:
+            tree = self.tables[tenant] = self._new_tree()
+        seq_id, self._next_id = self._next_id, (self._next_id + 1) & 0x7FFFFFFF
+        tree.extend(seq_id, tokens)
+        self.outputs.append((tenant, seq_id, len(tokens)))
         self.size += len(tokens)
         while self.size > self.capacity:
-            who, old = self.outputs.popleft()
-            self.size -= len(old)
-            table = self.tables[who]
-            for end in range(1, len(old)):
-                table._count(old, end, -1)
-            if not table.follow:
+            who, old, n = self.outputs.popleft()
+            self.size -= n
+            tree = self.tables[who]
+            tree.remove(old)
+            if tree.num_seqs() == 0:
                 del self.tables[who]
+
+    def memory_bytes(self) -> int:
+        """What the trees hold, as their own estimate."""
+        trees = [self.datastore, *self.tables.values()]
+        return sum(t.estimate_memory() for t in trees)
 
 
 class TenantView:
-    """``SharedIndex`` as one tenant's requests see it: ``next`` like an ``NGramTable``'s."""
+    """``SharedIndex`` as one tenant's requests see it: the better of the tenant's outputs'
+    draft and the datastore's (the outputs' on ties: they are recent)."""
 
     def __init__(self, shared: SharedIndex, tenant: str) -> None:
         self.shared, self.tenant = shared, tenant
 
-    def next(self, context: Sequence[int]) -> tuple[int, int] | None:
-        table = self.shared.tables.get(self.tenant)
-        own = table.next(context) if table is not None else None
-        if own is not None and own[1] >= self.shared.max_n:
-            return own
-        store = self.shared.datastore.next(context)
-        if store is not None and (own is None or store[1] > own[1]):
-            return store
-        return own
+    def speculate(self, context: Sequence[int], k: int):
+        shared = self.shared
+        best = shared.drafting.speculate(shared.datastore, context, k)
+        tree = shared.tables.get(self.tenant)
+        if tree is not None:
+            own = shared.drafting.speculate(tree, context, k)
+            if own.score >= best.score:
+                best = own
+        return best
 
 
-#: the most recent positions of a request's tokens its index counts: older ones are taken back
-#: as new ones arrive, so the index of a long context holds at most this many positions' n-grams
-INDEX_WINDOW = 8192
-#: the most positions one ``extend`` counts: a long prompt is indexed from its end back, over
-#: several engine steps, instead of stalling the step that admits it
-INDEX_BUDGET = 2048
+class ContextIndex:
+    """One request's suffix tree: its prompt's last ``window`` tokens and all of its output,
+    indexing at most ``budget`` prompt tokens per ``extend`` (see the module docstring).
 
-
-class ContextIndex(NGramTable):
-    """The n-grams of one request's tokens and what followed each (see the module docstring),
-    over its last ``window`` positions, counting at most ``budget`` positions per ``extend``.
-
-    The positions counted are always one contiguous range ``[lo, hi)`` ending at the newest
-    token once the index has caught up: new tokens are counted as they arrive (a decode step
-    adds a few), and what is left of a long prompt is counted from the end back, ``budget`` at
-    a time. A position's order of counting does not change any count, so the index that has
-    caught up equals one built token by token."""
+    The tree holds sequences: the *live* one, which starts ``budget`` tokens before the end of
+    what the first ``extend`` brought and grows as tokens arrive, and the older prompt tokens
+    in chunks of ``budget``, newest first (a match across two chunks' boundary is not found:
+    a draft there stops at the boundary)."""
 
     def __init__(
-        self, max_n: int = 4, min_n: int = 1, window: int = INDEX_WINDOW, budget: int = INDEX_BUDGET
+        self, options: dict | None = None, window: int = INDEX_WINDOW, budget: int = INDEX_BUDGET
     ) -> None:
-        super().__init__(max_n, min_n)
+        self.drafting = _Drafting(options or {})
+        self.tree = suffix_tree_class()(self.drafting.max_depth)
         self.tokens: list[int] = []
         self.window, self.budget = window, budget
-        self.lo = self.hi = 0  # the positions counted: [lo, hi)
+        self.lo = self.hi = 0  # the positions indexed: [lo, hi)
+        self.floor = 0  # the oldest position to index (the window's start)
+        self._chunks = 0  # older prompt chunks indexed (sequences 1, 2, ...)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, new: Sequence[int]) -> None:
-        """Append tokens, then count up to ``budget`` positions: the newest first, then back
-        towards the window's start; positions that left the window are taken back."""
+        """Append tokens, index them, then index older prompt tokens with what is left of the
+        step's budget, newest first."""
         toks = self.tokens
+        first = not toks
         toks.extend(int(t) for t in new)
-        n, left = len(toks), self.budget
-        start = max(0, n - self.window)  # the window's first position
-        if n - self.hi > left:  # too many new positions to count now: start again at the end
-            self._take_back(self.lo, self.hi)
-            self.lo = self.hi = n - left
-        for end in range(self.hi, n):  # the new positions
-            self._count(toks, end, +1)
-        left -= n - self.hi
+        n = len(toks)
+        if first:
+            self.floor = max(0, n - self.window)
+            self.lo = self.hi = max(self.floor, n - self.budget)
+        # new tokens of the live sequence (more than a budget at once only at admission)
+        self.tree.extend(0, toks[self.hi : n])
+        left = self.budget - (n - self.hi)
         self.hi = n
-        if self.lo < start:  # positions that left the window
-            self._take_back(self.lo, min(start, self.hi))
-            self.lo = max(start, self.lo)
-        back = max(start, self.lo - left)  # then back towards the window's start
-        for end in range(back, self.lo):
-            self._count(toks, end, +1)
-        self.lo = min(self.lo, back)
+        if left > 0 and self.lo > self.floor:  # the next older chunk of the prompt
+            start = max(self.floor, self.lo - left)
+            self._chunks += 1
+            self.tree.extend(self._chunks, toks[start : self.lo])
+            self.lo = start
 
-    def _take_back(self, lo: int, hi: int) -> None:
-        for end in range(lo, hi):
-            self._count(self.tokens, end, -1)
+    def propose(self, k: int, shared: TenantView | None = None) -> tuple[list[int], list[int]]:
+        """Up to ``k`` draft tokens continuing the sequence, with each one's slot: from this
+        request's tree or, where its draft is expected to yield more, the ``shared`` index's."""
+        if k <= 0:
+            return [], []
+        context = self.tokens[-self.drafting.max_depth :]
+        best = self.drafting.speculate(self.tree, context, k)
+        from_shared = False
+        if shared is not None:
+            other = shared.speculate(context, k)
+            if other.score > best.score:
+                best, from_shared = other, True
+        tokens = list(best.token_ids)
+        if not tokens:
+            return [], []
+        probs, match = best.probs, best.match_len
+        slots, prev = [], 1.0
+        for j, p in enumerate(probs):
+            slots.append(slot(from_shared, match + j, p / prev if prev > 0 else 0.0))
+            prev = p
+        return tokens, slots
 
-    def propose(
-        self, k: int, shared: NGramTable | TenantView | None = None
-    ) -> tuple[list[int], list[int]]:
-        """Up to ``k`` draft tokens continuing the sequence, with each one's *slot*: its match
-        length n in this request's context, or ``max_n + n`` where the ``shared`` index (other
-        requests' outputs, the datastore) had the longer match."""
-        context = self.tokens[-self.max_n :]
-        drafts: list[int] = []
-        slots: list[int] = []
-        for _ in range(k):
-            found, slot_base = self.next(context), 0
-            if shared is not None and (found is None or found[1] < self.max_n):
-                other = shared.next(context)
-                if other is not None and (found is None or other[1] > found[1]):
-                    found, slot_base = other, self.max_n
-            if found is None:
-                break
-            token, n = found
-            drafts.append(token)
-            slots.append(slot_base + n)
-            context = (context + [token])[-self.max_n :]
-        return drafts, slots
+    def memory_bytes(self) -> int:
+        return self.tree.estimate_memory()

@@ -42,7 +42,7 @@ RPC_TIMEOUT_S = 10.0
 #: a scrape within this many seconds of the last pull is served its snapshot: a flood of scrapes
 #: costs the engine one RPC (between two steps) per this long, whatever their number
 SNAPSHOT_MAX_AGE_S = 2.0
-TIME_PARTS = ("draft", "verify", "policy", "shadow", "optimise", "controller")
+TIME_PARTS = ("draft", "verify", "policy", "lookup", "shadow", "optimise", "controller")
 
 #: counters: stats key -> (metric name without prefix and "_total", documentation)
 COUNTERS = {

@@ -37,7 +37,10 @@ def test_detection():
         ({"method": "layerskip", "capture_tokens": 257}, r"capture_tokens must be .* \[1, 256\]"),
         ({"method": "auto", "lookup": {"shared": "yes"}}, "shared must be one of"),
         ({"method": "layerskip", "goodput": "yes"}, "goodput must be true or false"),
-        ({"method": "layerskip", "lookup": {"max_ngram": 0}}, "min_ngram <= max_ngram"),
+        ({"method": "layerskip", "lookup": {"max_depth": 0}}, "max_depth must be"),
+        ({"method": "layerskip", "lookup": {"max_ngram": 4}}, "unknown lookup option"),
+        ({"method": "layerskip", "self_draft_tokens": 5}, r"self_draft_tokens .* \[1, .*=4\]"),
+        ({"method": "auto", "self_draft_tokens": 0}, "self_draft_tokens must be"),
         ({"method": "layerskip", "lookup": {"window": 3}}, "unknown lookup option"),
         ({"method": "adadecode", "lookup": True}, "cannot be combined with adadecode"),
         ({"method": "cascade", "lossy": True, "lookup": True}, "unverified"),
@@ -84,7 +87,10 @@ def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_p
     concrete = cfg.resolved(str(tmp_path))  # no heads cached for this model
     assert concrete.method == "layerskip" and concrete.options["exit_layer"] == 28
     assert concrete.lookup == {**cfg.lookup, "datastore": None} and concrete.goodput
-    assert concrete.num_speculative_tokens == cfg.num_speculative_tokens == 6
+    # lookup drafts up to 16 tokens, a self-draft round up to 6
+    assert concrete.num_speculative_tokens == cfg.num_speculative_tokens == 16
+    assert concrete.self_draft_tokens == 6
+    assert concrete.make_policy(MODEL).max_draft_tokens == 6
     off = SelfSpecConfig.load({"method": "auto", "lookup": False, "goodput": False})
     assert not off.resolved(str(tmp_path)).lookup
     with pytest.raises(SelfSpecConfigError, match="cannot read the model's config"):
@@ -92,10 +98,11 @@ def test_auto_resolves_to_a_concrete_method_with_lookup_and_the_controller(tmp_p
 
 
 def test_goodput_and_lookup_round_trip():
-    cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False, "lookup": {"max_ngram": 3}})
+    cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False, "lookup": {"max_depth": 8}})
     assert not cfg.goodput and cfg.lookup == {
-        "max_ngram": 3,
-        "min_ngram": 1,
+        "max_depth": 8,
+        "max_spec_factor": 1.0,
+        "min_token_prob": 0.1,
         "shared": "tenant",
         "datastore": "auto",
     }
@@ -106,7 +113,8 @@ def test_goodput_and_lookup_round_trip():
     "spec",
     [
         {"method": "layerskip", "exit_layer": 12, "num_speculative_tokens": 5},
-        {"method": "layerskip", "goodput": False, "lookup": {"max_ngram": 3, "datastore": None}},
+        {"method": "layerskip", "goodput": False, "lookup": {"max_depth": 8, "datastore": None}},
+        {"method": "auto", "self_draft_tokens": 3},
         {"method": "del", "heads": "none", "shadow_every": 2, "draft_vocab_size": None},
         {"method": "knapspec", "interval": 8, "lookup": True, "capture_tokens": 16},
         {"method": "cascade", "heads": "/some/heads", "lossy": True},

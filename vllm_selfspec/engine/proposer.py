@@ -39,7 +39,7 @@ from ..goodput import (
     prefer_free,
 )
 from ..heads import identity_from_tensors, load_heads
-from ..lookup import ContextIndex, SharedIndex, TenantView
+from ..lookup import SLOTS, ContextIndex, SharedIndex, TenantView, is_shared
 from ..policies import DraftDecision, Feedback
 from ..vocab import load_generations, load_vocab
 from . import shadow
@@ -159,8 +159,9 @@ class SelfSpecProposer:
         #: model (Gemma-3-270M; docs/architecture.md, "The goodput controller")
         self.search_budget = SearchBudget() if self.controller is not None else None
         self.shadow_budget = SearchBudget() if self.controller is not None else None
-        #: context lookup (lookup.py): per request its n-gram index; acceptance per match length;
-        #: the match lengths of the lookup drafts each request awaits verification of
+        #: context lookup (lookup.py): per request its suffix tree; acceptance per slot (source,
+        #: match length, the tree's estimate); the slots of the lookup drafts each request awaits
+        #: verification of
         self.lookup = self.config.lookup
         self._indexes: dict[str, ContextIndex] = {}
         self._prompt_lens: dict[str, int] = {}
@@ -172,8 +173,7 @@ class SelfSpecProposer:
         #: and the datastore's sequences (the model's corpus generations), pinned; loaded with the
         #: model, where the target's identity can be checked
         self.shared_index: SharedIndex | None = None
-        # slots: match lengths 1..max_n in the request's context, max_n + 1..2 max_n shared
-        self.lookup_acceptance = AcceptanceTracker(2 * self.lookup.get("max_ngram", 0) + 1)
+        self.lookup_acceptance = AcceptanceTracker(SLOTS)
         self._lookup_rates: dict[str, Any] = {}
         self._lookup_round: dict[str, list[int]] = {}
         self._tp = vllm_config.parallel_config.tensor_parallel_size
@@ -219,9 +219,7 @@ class SelfSpecProposer:
         if self.sharing != "off" or self.lookup.get("datastore"):
             store = self.lookup.get("datastore")
             pinned = load_generations(store, expect=self._identity()) if store else ()
-            self.shared_index = SharedIndex(
-                self.lookup["max_ngram"], self.lookup["min_ngram"], pinned=pinned
-            )
+            self.shared_index = SharedIndex(self.lookup, pinned=pinned)
         self.ctx = DraftContext(self, self.runner, self.executor, self.shadow)
         self.drafter = DRAFTERS[self.policy.drafter](self.ctx)
 
@@ -367,7 +365,7 @@ class SelfSpecProposer:
         * feedback (``_capture_feedback``, ``_observe``): the verified rows' hidden states and
           shadow tokens for the policies that asked; per request its verification outcome
           (``_verification``: placeholder drafts, acceptance per draft position or per lookup
-          match length, counters), then the drafter's and the policy's ``observe``.
+          slot, counters), then the drafter's and the policy's ``observe``.
         * settle (``_settle``): the controller learns what its last choice achieved: this step's
           tokens over the wall clock since that choice.
         * budgets (``_search``): the search and shadow budgets tick; at most one due plan search
@@ -465,11 +463,11 @@ class SelfSpecProposer:
         with self.stats.timer("policy"):
             for i, req_id, state in step.entries:
                 sampled = step.sampled[i]
-                n_drafted, n_accepted, matches = self._verification(step, i, req_id)
+                n_drafted, n_accepted, slots = self._verification(step, i, req_id)
                 emitted += len(sampled)
                 # the policy and its drafter hear of their own drafts only (a lookup round is a
                 # plain step to them)
-                own = (n_drafted, n_accepted) if matches is None else (0, 0)
+                own = (n_drafted, n_accepted) if slots is None else (0, 0)
                 fb = Feedback(*own, int(step.ib.num_tokens_no_spec[i]))
                 if i in captured:
                     fb.hidden, fb.targets, fb.shadow_tokens, fb.shadow_conf = captured[i]
@@ -481,7 +479,7 @@ class SelfSpecProposer:
 
     def _verification(self, step: _Step, i: int, req_id: str):
         """What the target's verification of batch row ``i`` showed: (drafted, accepted, the
-        match lengths of its lookup drafts or None for a self-draft or none), recorded in the
+        slots of its lookup drafts or None for a self-draft or none), recorded in the
         acceptance trackers and the stats."""
         st = self.stats
         sampled = step.sampled[i]
@@ -493,15 +491,12 @@ class SelfSpecProposer:
             st.draft_probs_missing += n_drafted
         self._pending_q.pop(req_id, None)  # its drafts (if any) were verified just now
         n_accepted = len(sampled) - 1 if n_drafted else 0
-        matches = self._lookup_round.pop(req_id, None)
-        if matches is not None:  # lookup drafts: measured per match length
-            self.lookup_acceptance.observe(
-                self._lookup_rates[req_id], n_drafted, n_accepted, matches
-            )
+        slots = self._lookup_round.pop(req_id, None)
+        if slots is not None:  # lookup drafts: measured per slot
+            self.lookup_acceptance.observe(self._lookup_rates[req_id], n_drafted, n_accepted, slots)
             st.lookup_drafted += n_drafted
             st.lookup_accepted += n_accepted
-            max_n = self.lookup["max_ngram"]
-            st.lookup_shared_accepted += sum(m > max_n for m in matches[:n_accepted])
+            st.lookup_shared_accepted += sum(map(is_shared, slots[:n_accepted]))
         else:
             self.acceptance.observe(self._rates[req_id], n_drafted, n_accepted)
         st.generated_tokens += len(sampled)
@@ -509,7 +504,7 @@ class SelfSpecProposer:
         st.target_layers += self.info.num_layers
         st.drafted_tokens += n_drafted
         st.accepted_tokens += n_accepted
-        return n_drafted, n_accepted, matches
+        return n_drafted, n_accepted, slots
 
     def _settle(self, step: _Step, emitted: int) -> None:
         """What the controller's last choice achieved: this step's tokens over the wall clock
@@ -536,11 +531,11 @@ class SelfSpecProposer:
 
     def _rounds(self, step: _Step, look: bool):
         """Per request its policy's next round, cut to the room it has, and its lookup draft:
-        ([(batch row, decision, draft length)], {batch row: (tokens, match lengths)}). A step
+        ([(batch row, decision, draft length)], {batch row: (tokens, slots)}). A step
         without a choice (``GoodputController.look_due``) drafts nothing: no round is proposed,
         and the lookup indexes catch up with their tokens at the next choice."""
         active: list[tuple[int, DraftDecision, int]] = []
-        lookups: dict[int, tuple[list[int], list[int]]] = {}
+        wanted: list[tuple[int, str, int, int]] = []
         step.t_look = time.perf_counter()
         with self.stats.timer("policy"):
             for i, req_id, state in step.entries if look else ():
@@ -550,6 +545,11 @@ class SelfSpecProposer:
                 g = min(decision.num_tokens, room)
                 active.append((i, decision, max(g, 0)))
                 if self.lookup and room > 0:
+                    wanted.append((i, req_id, n, room))
+        lookups: dict[int, tuple[list[int], list[int]]] = {}
+        if wanted:
+            with self.stats.timer("lookup"):
+                for i, req_id, n, room in wanted:
                     lookups[i] = self._lookup(step.ib, i, req_id, n, room)
         return active, lookups
 
@@ -594,8 +594,8 @@ class SelfSpecProposer:
         for j, (i, decision, g) in enumerate(active):
             if cands is not None and cands[j].free:  # a lookup round: no draft step
                 if g > 0:
-                    step.drafts[i], matches = lookups[i][0][:g], lookups[i][1][:g]
-                    self._lookup_round[req_ids[i]] = matches
+                    step.drafts[i], slots = lookups[i][0][:g], lookups[i][1][:g]
+                    self._lookup_round[req_ids[i]] = slots
                     self._pending_q[req_ids[i]] = self._point_masses(
                         step.sampling_metadata, i, step.drafts[i]
                     )
@@ -634,12 +634,10 @@ class SelfSpecProposer:
         return feedback, search, look
 
     def _lookup(self, ib, i: int, req_id: str, n: int, room: int):
-        """The request's lookup draft (tokens, match lengths), its index brought up to date."""
+        """The request's lookup draft (tokens, slots), its index brought up to date."""
         index = self._indexes.get(req_id)
         if index is None:
-            index = self._indexes[req_id] = ContextIndex(
-                self.lookup["max_ngram"], self.lookup["min_ngram"]
-            )
+            index = self._indexes[req_id] = ContextIndex(self.lookup)
             self._prompt_lens[req_id] = int(ib.num_prompt_tokens[i])
             if self.shared_index is not None:
                 tenant = (
@@ -794,11 +792,12 @@ class SelfSpecProposer:
             shared = self.shared_index
             d["lookup_index"] = {
                 "requests": len(self._indexes),
-                "request_ngrams": sum(len(ix.follow) for ix in self._indexes.values()),
                 "request_positions": sum(ix.hi - ix.lo for ix in self._indexes.values()),
+                "request_bytes": sum(ix.memory_bytes() for ix in self._indexes.values()),
                 "shared_output_tokens": 0 if shared is None else shared.size,
                 "shared_tenants": 0 if shared is None else len(shared.tables),
-                "datastore_ngrams": 0 if shared is None else len(shared.datastore.follow),
+                "datastore_tokens": 0 if shared is None else shared.datastore_tokens,
+                "shared_bytes": 0 if shared is None else shared.memory_bytes(),
             }
         d.update(self.drafter.describe())
         return d

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-TIME_KEYS = ("draft", "policy", "shadow", "optimise", "controller", "step")
+TIME_KEYS = ("draft", "policy", "lookup", "shadow", "optimise", "controller", "step")
 
 
 @dataclass
@@ -97,7 +97,8 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         s = self.seconds
-        other = s["draft"] + s["policy"] + s["shadow"] + s["optimise"] + s["controller"]
+        host = s["policy"] + s["lookup"] + s["controller"]  # deciding, without forwards
+        other = s["draft"] + s["shadow"] + s["optimise"] + host
         layers = self.draft_layers + self.target_layers
         return {
             "steps": self.steps,
@@ -179,11 +180,21 @@ class EngineStats:
             "time_s": {
                 "draft": s["draft"],
                 "policy": s["policy"],
+                "lookup": s["lookup"],
                 "shadow": s["shadow"],
                 "optimise": s["optimise"],
                 "controller": s["controller"],
                 "verify": max(0.0, s["step"] - other),
                 "total": s["step"],
+            },
+            # the host time of a step's decisions, no forward in it (microseconds per engine
+            # step): bookkeeping and policies, context lookup (indexing, drafting), the
+            # controller's choice (benchmarks/lookup_host.py measures the same offline)
+            "host_us_per_step": {
+                "policy": 1e6 * s["policy"] / max(self.steps, 1),
+                "lookup": 1e6 * s["lookup"] / max(self.steps, 1),
+                "controller": 1e6 * s["controller"] / max(self.steps, 1),
+                "total": 1e6 * host / max(self.steps, 1),
             },
         }
 

@@ -1,0 +1,153 @@
+"""The host time of context lookup per engine step, offline: what `auto` adds to a step besides
+the forwards, at batch 1, 8 and 64 and contexts of 1k and 32k tokens (no engine, no model).
+
+    python benchmarks/lookup_host.py [--steps 200] [--out lookup-host.json]
+
+Each request is a prompt of the given length (a text with repeats, as a document or code to
+edit is), then decoding: per step every request gets 1-3 new tokens (an accepted draft and the
+target's token), and the step runs what the proposer runs for a lookup step, with the same
+classes (``engine/proposer.py``: ``_lookup``, ``_candidates``, ``_control``, ``_verification``):
+
+* lookup: the request's tree takes its new tokens (and, while a long prompt is still being
+  indexed, up to ``INDEX_BUDGET`` older ones), then it drafts, beside the tenant's outputs and
+  a datastore of 50k tokens (``SharedIndex``);
+* choice: each request's acceptance estimate per slot (``AcceptanceTracker.cumulative``), its
+  candidate, and the goodput controller's choice for the batch (``GoodputController.choose``);
+* bookkeeping: each request's verification outcome (``AcceptanceTracker.observe``).
+
+Per cell: the median microseconds per step of each part over the steps after the prompts were
+indexed (steady state), and the first step's (the admission of every prompt at once: the stall
+that the per-step budget bounds). The engine reports the same split live
+(``get_stats()["host_us_per_step"]``: policy, lookup, controller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+
+def text_with_repeats(rng: random.Random, n: int) -> list[int]:
+    """A token sequence where stretches recur (as in code or a document being edited)."""
+    out: list[int] = []
+    while len(out) < n:
+        if out and rng.random() < 0.5:
+            start = rng.randrange(len(out))
+            out += out[start : start + rng.randint(4, 40)]
+        else:
+            out += [rng.randrange(32000) for _ in range(rng.randint(2, 20))]
+    return out[:n]
+
+
+def run_cell(batch: int, context: int, steps: int, k: int = 6) -> dict:
+    import numpy as np
+
+    from vllm_selfspec.goodput import AcceptanceTracker, Candidate, GoodputController
+    from vllm_selfspec.goodput.costs import StepCostModel
+    from vllm_selfspec.lookup import SLOTS, ContextIndex, SharedIndex
+
+    rng = random.Random(batch * 100003 + context)
+    shared = SharedIndex(pinned=[text_with_repeats(rng, 500) for _ in range(100)])
+    for _ in range(20):
+        shared.add(text_with_repeats(rng, 200), tenant="t")
+    costs = StepCostModel(skip_first=False)
+    for _ in range(50):  # a measured cost line: ~30 ms a step, ~2 ms a verified token
+        for r, extra in ((batch, 0), (batch, batch), (batch, 3 * batch)):
+            costs.add_target(r, r + extra, 0.03 + 0.0005 * r + 0.002 * extra)
+    controller = GoodputController(costs)
+    tracker = AcceptanceTracker(SLOTS)
+    prompts = [text_with_repeats(rng, context) for _ in range(batch)]
+    requests = [
+        {
+            "tokens": p,
+            "index": ContextIndex(),
+            "view": shared.view("t"),
+            "rates": tracker.new_state(),
+        }
+        for p in prompts
+    ]
+    parts = {"lookup": [], "choice": [], "bookkeeping": []}
+    caught_up = None  # the steps it took to index every prompt
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        drafts = []
+        for req in requests:
+            index, toks = req["index"], req["tokens"]
+            index.extend(toks[len(index) :])
+            drafts.append(index.propose(k, req["view"]))
+        t1 = time.perf_counter()
+        cands = [
+            Candidate(len(t), tracker.cumulative(req["rates"], len(t), s), free=True)
+            if t
+            else Candidate(0, np.zeros(0))
+            for req, (t, s) in zip(requests, drafts)
+        ]
+        choice = controller.choose(cands)
+        t2 = time.perf_counter()
+        outcomes = [min(g, len(t)) for (t, _), g in zip(drafts, choice.tokens)]
+        outcomes = [(g, rng.randint(0, g)) for g in outcomes]
+        t3 = time.perf_counter()
+        for req, (_, s), (g, accepted) in zip(requests, drafts, outcomes):
+            tracker.observe(req["rates"], g, accepted, s)
+        t4 = time.perf_counter()
+        parts["lookup"].append(t1 - t0)
+        parts["choice"].append(t2 - t1)
+        parts["bookkeeping"].append(t4 - t3)
+        controller.settle(batch, batch, 0.03)
+        for req, (_, accepted) in zip(requests, outcomes):  # the step's new tokens
+            req["tokens"] += text_with_repeats(rng, accepted + 1)
+        if caught_up is None and all(r["index"].lo == r["index"].floor for r in requests):
+            caught_up = len(parts["lookup"])
+    caught_up = steps if caught_up is None else caught_up
+
+    def us(xs):
+        return round(1e6 * statistics.median(xs), 1) if xs else None
+
+    steady = {name: us(xs[caught_up:]) for name, xs in parts.items()}
+    steady["total"] = round(sum(v for v in steady.values() if v is not None), 1)
+    first = {name: round(1e6 * xs[0], 1) for name, xs in parts.items()}
+    mem = sum(r["index"].memory_bytes() for r in requests)
+    return {
+        "batch": batch,
+        "context": context,
+        "steady_us": steady,
+        "first_step_us": first,
+        "steps_to_index_prompts": caught_up,
+        "request_index_mb": round(mem / 2**20, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--contexts", default="1024,32768")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    print(
+        "| batch | context | lookup µs | choice µs | bookkeeping µs | total µs | first step µs "
+        "(lookup) | steps to index | index MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for context in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            r = run_cell(batch, context, args.steps)
+            rows.append(r)
+            s = r["steady_us"]
+            print(
+                f"| {batch} | {context} | {s['lookup']} | {s['choice']} | {s['bookkeeping']} | "
+                f"{s['total']} | {r['first_step_us']['lookup']} | "
+                f"{r['steps_to_index_prompts']} | {r['request_index_mb']} |",
+                flush=True,
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
