@@ -40,7 +40,7 @@ FEATURE_HEADS = --max-prompts 384 --max-new-tokens 128 --steps 600 --batch-size 
 heads: model
 	@for kind in cascade adadecode feature; do \
 		if $(BIN)/python -c "import sys; from vllm_selfspec.heads.embedded import cached_heads; \
-			from vllm_selfspec.models import embedded_model_dir as m; \
+			from vllm_selfspec.checkpoints import embedded_model_dir as m; \
 			sys.exit(0 if cached_heads(m(), '$$kind') else 1)"; \
 		then echo "trained $$kind heads cached"; \
 		elif [ $$kind = feature ]; then $(BIN)/vllm-selfspec train-heads --kind feature $(FEATURE_HEADS) || exit 1; \

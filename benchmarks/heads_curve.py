@@ -58,8 +58,8 @@ def _generate(d: Path, n_general: int, n_code: int, max_tokens: int) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from vllm_selfspec.checkpoints import model_dir
     from vllm_selfspec.heads.corpus import general_requests, stdlib_functions
-    from vllm_selfspec.models import model_dir
     from vllm_selfspec.tools.prompts import load_prompts, render_chat
 
     path = str(model_dir(MODEL))
@@ -94,7 +94,7 @@ def _capture(d: Path, name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_selfspec.models import model_dir
+    from vllm_selfspec.checkpoints import model_dir
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir(MODEL)), dtype=torch.float32)
     seqs = [json.loads(line) for line in open(d / f"{name}.jsonl")]
@@ -150,9 +150,9 @@ def train(args) -> None:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from vllm_selfspec.checkpoints import model_dir
     from vllm_selfspec.heads.losses import cascade_loss
     from vllm_selfspec.heads.modules import CascadeHead
-    from vllm_selfspec.models import model_dir
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -308,7 +308,7 @@ def chain(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from vllm_selfspec.models import model_dir
+    from vllm_selfspec.checkpoints import model_dir
 
     torch.set_num_threads(args.threads)
     saved = torch.load(args.head)

@@ -45,7 +45,7 @@ def main() -> int:
     kw = engine_kw(args.eager)
     from vllm import LLM
 
-    from vllm_selfspec.models import prepare_embedded_model
+    from vllm_selfspec.checkpoints import prepare_embedded_model
 
     model = args.model or str(prepare_embedded_model(progress=False))
     config = None if args.config == "none" else str(Path(args.config).resolve())

@@ -130,7 +130,7 @@ def slot_acceptance(seqs, k: int = 16) -> dict:
 
 
 def main() -> None:
-    from vllm_selfspec.models import resolve_model
+    from vllm_selfspec.checkpoints import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")

@@ -50,7 +50,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_selfspec import forget_outputs
-    from vllm_selfspec.models import resolve_model
+    from vllm_selfspec.checkpoints import resolve_model
     from vllm_selfspec.tools.bench import engine_args
     from vllm_selfspec.tools.prompts import load_prompts
 

@@ -201,7 +201,7 @@ def main() -> int:
         print(table(json.loads(Path(args.table).read_text())))
         return 0
 
-    from vllm_selfspec.models import resolve_model
+    from vllm_selfspec.checkpoints import resolve_model
     from vllm_selfspec.tools.prompts import load_prompts
 
     model = resolve_model(args.model)

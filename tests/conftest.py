@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from vllm_selfspec.models import prepare_embedded_model
+    from vllm_selfspec.checkpoints import prepare_embedded_model
 
     return str(prepare_embedded_model(progress=False))

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .models import EMBEDDED_NAME, MODELS, prepare_model, resolve_model
+from .checkpoints import EMBEDDED_NAME, MODELS, prepare_model, resolve_model
 from .tools import bench
 from .tools.demo import run_demo
 

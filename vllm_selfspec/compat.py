@@ -64,7 +64,7 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   .sampling_params.min_tokens``                          token's EOS mask, vLLM issue #41758)
 ``GPUModelRunner._model_forward``,                      AdaDecode's finishing pass replaces the
   ``query_start_loc.np``,
-  ``input_batch.{num_reqs, num_computed_tokens_cpu,       target forward (engine/adadecode.py)
+  ``input_batch.{num_reqs, num_computed_tokens_cpu,       target forward (engine/drafters/adadecode.py)
   num_prompt_tokens}``, ``get_forward_context()
   .slot_mapping`` / ``.attn_metadata[...].slot_mapping``
 ``create_custom_proposer`` contract: the class          vLLM builds and loads our drafter; the mixin
@@ -93,17 +93,17 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   .query_start_loc_cpu``, ``sample_hidden_states``      feature heads: the final layer's output
   (the model's normed output at the logits rows:        at the position that sampled each
   per request ``num_draft_tokens + 1`` rows in batch    request's last token
-  order, or one when nothing was verified)              (engine/feature.py)
+  order, or one when nothing was verified)              (engine/drafters/feature.py)
 ``runner.attn_groups[g]``: ``AttentionGroup(            the drafter's own builders for every
   backend, layer_names, kv_cache_spec,                  KV-cache group (engine/kv_groups.py)
   kv_cache_group_id)``, ``.kernel_block_size``,
   ``.layer_names``
 ``set_forward_context(..., slot_mapping={})``:          KnapSpec's read-only attention: nothing
-  ``unified_kv_cache_update`` skips layers absent       written (engine/knapsack_forward.py)
+  ``unified_kv_cache_update`` skips layers absent       written (engine/knapspec_forward.py)
   from the dict; ``PAD_SLOT_ID`` (-1) slots
 ``LlamaDecoderLayer(positions, h, residual)`` ->        partial forward in vLLM's fused (pending,
   ``(h, residual)``; ``self_attn(positions=,            residual) form (executor, adadecode,
-  hidden_states=)``; ``mlp(x)``; ``RMSNorm(x)`` /       knapsack_forward)
+  hidden_states=)``; ``mlp(x)``; ``RMSNorm(x)`` /       knapspec_forward)
   ``RMSNorm(x, residual)`` -> ``(x, residual)``
 ``RMSNorm.{weight, variance_epsilon}`` (final           fused LM-head argmax of shadow tokens; model
   ``norm``), ``lm_head.weight``                         fingerprint; heads' dtype/device; hidden size
@@ -111,7 +111,7 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   ``shard_indices.org_vocab_{start,end}_index``,        LM-head rows and their logit scale/soft cap
   ``logits_processor.{scale, soft_cap}``
 ``_model_forward`` returns the final-normed             AdaDecode's finishing pass returns the same
-  hidden states ``[N, d]`` (no aux tuple)               (engine/adadecode.py)
+  hidden states ``[N, d]`` (no aux tuple)               (engine/drafters/adadecode.py)
 ``VllmConfig.additional_config["selfspec"]``            the selfspec options: written by plugin.py,
                                                         read by the proposer and metrics.py
 ``speculative_config.{method, model,                    is it selfspec; k (proposer, lookahead

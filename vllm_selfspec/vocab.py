@@ -41,8 +41,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .cachedir import file_sha256, reading, staged
+from .checkpoints import home
 from .heads.identity import CONFIG_FILE, ModelIdentity, identity_from_tensors, read_saved_config
-from .models import home
 
 FORMAT = "vllm-selfspec-draft-vocab"
 VERSION = 1

@@ -62,7 +62,7 @@ HEAD_LAYERS = (10, 12, 14, 16)
 
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
-    from vllm_selfspec.models import prepare_model
+    from vllm_selfspec.checkpoints import prepare_model
 
     return str(prepare_model("gemma3-270m", progress=False))
 

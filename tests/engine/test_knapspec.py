@@ -18,8 +18,8 @@ from selfspec_testing import engine, token_ids
 from vllm_selfspec import policies
 from vllm_selfspec.config import SelfSpecConfigError
 from vllm_selfspec.engine import proposer as proposer_module
-from vllm_selfspec.policies.knapsack import LatencyModel
 from vllm_selfspec.policies.knapspec import KnapSpecPolicy
+from vllm_selfspec.policies.knapspec_knapsack import LatencyModel
 
 pytestmark = pytest.mark.engine
 

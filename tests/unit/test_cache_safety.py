@@ -231,8 +231,8 @@ def test_a_truncated_datastore_is_a_clear_error(tmp_path):
 # ---- KnapSpec's latency cache ----------------------------------------------------------------
 @pytest.mark.parametrize("content", ["{trunc", '{"t_mlp": 1}', "[1, 2]", '{"t_mlp": "x"}'])
 def test_a_stale_or_foreign_latency_cache_is_measured_again(tmp_path, monkeypatch, content):
-    from vllm_selfspec.engine import knapsack_forward as kf
-    from vllm_selfspec.policies.knapsack import LatencyModel
+    from vllm_selfspec.engine import knapspec_forward as kf
+    from vllm_selfspec.policies.knapspec_knapsack import LatencyModel
 
     path = tmp_path / "latency" / "x.json"
     path.parent.mkdir()

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_selfspec.engine.cascade import CascadeDrafter, CascadeWalks
+from vllm_selfspec.engine.drafters.cascade import CascadeDrafter, CascadeWalks
 from vllm_selfspec.engine.drafting import NO_DRAFT, DraftContext, Drafter, finite_rows
 from vllm_selfspec.engine.proposer import DRAFTERS
 from vllm_selfspec.engine.stats import EngineStats

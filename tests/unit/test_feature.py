@@ -1,5 +1,5 @@
-"""Feature heads' drafting (policies/feature.py, engine/feature.py) without an engine: which of
-vLLM's logits rows holds each request's final-layer feature, and the policy's checks."""
+"""Feature heads' drafting (policies/feature.py, engine/drafters/feature.py) without an engine:
+which of vLLM's logits rows holds each request's final-layer feature, and the policy's checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from vllm_selfspec.engine.feature import feature_rows
+from vllm_selfspec.engine.drafters.feature import feature_rows
 from vllm_selfspec.plans import LM_HEAD
 from vllm_selfspec.policies import FeaturePolicy, ModelInfo
 

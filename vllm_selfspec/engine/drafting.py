@@ -8,19 +8,19 @@ a ``Drafter`` named by the method's policy (``Policy.drafter``) and looked up in
 =============  ============================  =====================================================
 name           file                          drafts
 =============  ============================  =====================================================
-``plan``       plan_drafter.py               each request's layer plan (layerskip, DEL, KnapSpec)
-``cascade``    cascade.py                    exits walked shallowest first (Cascade)
-``deferred``   adadecode.py                  deferred-layer rounds, finished by the target
-``feature``    feature.py                    feature heads, no decoder layer
+``plan``       drafters/plan.py              each request's layer plan (layerskip, DEL, KnapSpec)
+``cascade``    drafters/cascade.py           exits walked shallowest first (Cascade)
+``deferred``   drafters/adadecode.py         deferred-layer rounds, finished by the target
+``feature``    drafters/feature.py           feature heads, no decoder layer
 =============  ============================  =====================================================
 
 A drafter sees the engine through one ``DraftContext`` (and vLLM's runner it drafts for, whose
 input batch it reads): the model's executor and layout, the measured costs it reports its draft
 steps to, the stats, the policy and its per-request states, attention metadata over the
 target's paged KV cache, and ``pick`` (the draft token of each row, with the q that sampled
-rows hand the rejection sampler). A new method adds a policy
-file and, if none of these drafts the way it needs, a drafter file and one ``DRAFTERS`` entry;
-the proposer does not change.
+rows hand the rejection sampler). A new method adds a policy file and, if none of these drafts
+the way it needs, a drafter file in ``drafters/`` and one ``DRAFTERS`` entry; the proposer does
+not change.
 
 One step, as a drafter sees it::
 

@@ -43,13 +43,13 @@ from ..lookup import SLOTS, ContextIndex, SharedIndex, TenantView, is_shared
 from ..policies import DraftDecision, Feedback
 from ..vocab import load_generations, load_vocab
 from . import shadow
-from .adadecode import DeferredEngine
-from .cascade import CascadeDrafter
+from .drafters.adadecode import DeferredEngine
+from .drafters.cascade import CascadeDrafter
+from .drafters.feature import FeatureDrafter
+from .drafters.plan import PlanDrafter
 from .drafting import DraftContext, Drafter, peak_shapes
 from .executor import PlanExecutor
-from .feature import FeatureDrafter
-from .knapsack_forward import KnapsackForward, latency_model
-from .plan_drafter import PlanDrafter
+from .knapspec_forward import KnapsackForward, latency_model
 from .shadow import ShadowProjector
 from .stats import EngineStats
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..models import EMBEDDED_NAME, embedded_model_dir, home
+from ..checkpoints import EMBEDDED_NAME, embedded_model_dir, home
 from .identity import CONFIG_FILE
 
 EMBEDDED_LAYERS = (8, 12, 16, 20, 24)

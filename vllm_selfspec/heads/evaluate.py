@@ -13,7 +13,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..models import resolve_model
+from ..checkpoints import resolve_model
 from .data import TokenData, capture, digest, eos_ids, load_corpus, plan_batches, tokenize
 from .identity import identity_from_hf
 from .io import load_heads, read_config, train_prompt_digests

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..cachedir import locked, staged_file
-from ..models import home, resolve_model
+from ..checkpoints import home, resolve_model
 from .data import TRAINING_SPLITS, CollectSpec, TokenData, collect, load_corpus
 from .evaluate import agreement, head_input, select_threshold, top1
 from .identity import identity_from_hf

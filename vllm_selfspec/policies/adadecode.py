@@ -9,7 +9,7 @@ early token's remaining layers wait: they run together with the next tokens' pas
 layers, and the last of them in the next target forward, which also verifies the early tokens
 with the full model (greedy: equality; sampling: min(1, p/q) with residual resampling; vLLM's
 rejection sampler). The output is exactly vanilla vLLM's. The schedule is
-``vllm_selfspec/deferred.py``; the engine side ``engine/adadecode.py``.
+``adadecode_schedule.py`` (beside this file); the engine side ``engine/drafters/adadecode.py``.
 
 Options:
 
@@ -43,7 +43,7 @@ class AdaDecodePolicy(Policy):
     #: (docs/methods.md, "`adadecode`")
     auto_draft_vocab_size = 4096
     #: the engine drafts with the deferred-layer schedule and resumes the rows in the next target
-    #: forward (engine/adadecode.py) instead of drafting with a layer plan
+    #: forward (engine/drafters/adadecode.py) instead of drafting with a layer plan
     deferred = True
     drafter = "deferred"
     head_kind = "adadecode"

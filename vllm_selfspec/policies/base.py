@@ -108,8 +108,8 @@ class Policy(ABC):
     #: whether decisions read ``costs`` (the engine then shares rank 0's costs under TP)
     timed: bool = False
     #: policies that search on the live model (KnapSpec) set this; the engine then measures the
-    #: sub-layer latency model once (``policies.knapsack.LatencyModel``, rank 0's under TP) and
-    #: stores it in ``latency`` before the first ``optimise``
+    #: sub-layer latency model once (``policies.knapspec_knapsack.LatencyModel``, rank 0's under
+    #: TP) and stores it in ``latency`` before the first ``optimise``
     needs_latency: bool = False
     latency: Any = None
     #: draft_vocab_size "auto" for this method (None: config.AUTO_DRAFT_VOCAB_SIZE)
@@ -145,7 +145,7 @@ class Policy(ABC):
     def optimise(self, state: Any, model: Any) -> None:
         """Search the request's plan on the live model. ``model`` runs sub-layers on candidate
         states over the request's own KV cache (``sublayer(s, states, positions)``) and predicts
-        tokens (``predict(states)``); see engine/knapsack_forward.py. Timed as "optimise"."""
+        tokens (``predict(states)``); see engine/knapspec_forward.py. Timed as "optimise"."""
         raise NotImplementedError(f"{type(self).__name__} does not search on the model")
 
     def head_for_layer(self, layer: int) -> str:

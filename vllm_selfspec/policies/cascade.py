@@ -113,7 +113,7 @@ class CascadePolicy(Policy):
     # the reduced draft vocabulary when the model has a map, as DEL and KnapSpec
     common_defaults = {"num_speculative_tokens": 6, "draft_vocab_size": "auto"}
     head_kind = "cascade"
-    #: each draft token walks the exits (engine/cascade.py)
+    #: each draft token walks the exits (engine/drafters/cascade.py)
     drafter = "cascade"
 
     @staticmethod

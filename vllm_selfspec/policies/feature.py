@@ -38,8 +38,8 @@ class FeaturePolicy(Policy):
     options = {"heads": "auto"}
     common_defaults = {"num_speculative_tokens": 3, "draft_vocab_size": "auto"}
     head_kind = "feature"
-    #: the engine drafts with engine/feature.py (the head on the embedding and the target's
-    #: final-layer output) instead of running a layer plan
+    #: the engine drafts with engine/drafters/feature.py (the head on the embedding and the
+    #: target's final-layer output) instead of running a layer plan
     drafter = "feature"
 
     @classmethod

@@ -1,5 +1,5 @@
 """KnapSpec: training-free attention/MLP sub-layer skipping chosen by a knapsack DP (the KnapSpec
-paper, §3, Algorithm 1; the search itself is in ``knapsack.py``).
+paper, §3, Algorithm 1; the search itself is in ``knapspec_knapsack.py``).
 
 Per request:
 
@@ -38,7 +38,7 @@ import torch
 
 from ..model_info import ModelInfo
 from ..plans import LayerPlan
-from . import knapsack
+from . import knapspec_knapsack
 from .base import DraftDecision, Feedback, Policy
 from .options import is_int, is_number
 
@@ -50,7 +50,7 @@ class KnapSpecState:
     steps: int = 0  # steps since the last optimisation
     context_len: int = 0
     decision: DraftDecision | None = None
-    choice: knapsack.Choice | None = None
+    choice: knapspec_knapsack.Choice | None = None
 
     @property
     def num_rows(self) -> int:
@@ -148,7 +148,7 @@ class KnapSpecPolicy(Policy):
         hidden = torch.cat([h for _, h in state.rounds], dim=1)  # [1, r, d]
         positions = torch.arange(first, first + hidden.shape[1])
         refs = {0: hidden[0]}  # X(k), k > 0: the full model's sub-layers, run by the DP
-        choice = knapsack.search(
+        choice = knapspec_knapsack.search(
             refs,
             lambda s, x: model.sublayer(s, x, positions),
             model.predict,

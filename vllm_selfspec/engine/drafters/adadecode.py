@@ -1,20 +1,22 @@
-"""AdaDecode in vLLM's step structure: the deferred-layer schedule (``vllm_selfspec/deferred.py``)
-driven through the target's own layers over its paged KV cache.
+"""AdaDecode in vLLM's step structure: the deferred-layer schedule
+(``vllm_selfspec/policies/adadecode_schedule.py``) driven through the target's own layers over its
+paged KV cache.
 
 vLLM's spec-decode step is "verify the drafts, then draft the next ones". AdaDecode maps onto it
 as follows:
 
-* **drafting** (after a step sampled a token ``b`` per request): ``deferred.draft_round`` walks
-  ``b`` from layer 0 through the heads; a confident head predicts ``d1``, which walks from 0 while
-  ``b`` joins it in the layers past its exit, and so on. Every (token, layer) that runs writes
-  the target's KV cache at the token's position. The round's tokens stay where they stopped:
-  each row's (pending, residual) state at its depth is kept in a ``PendingRound``;
+* **drafting** (after a step sampled a token ``b`` per request):
+  ``adadecode_schedule.draft_round`` walks ``b`` from layer 0 through the heads; a confident head
+  predicts ``d1``, which walks from 0 while ``b`` joins it in the layers past its exit, and so on.
+  Every (token, layer) that runs writes the target's KV cache at the token's position. The
+  round's tokens stay where they stopped: each row's (pending, residual) state at its depth is
+  kept in a ``PendingRound``;
 * **finishing** (the next step's target forward, ``finish``, called by the runner mixin in place
   of the model's forward): rows of a pending round enter at their depth, every other row at 0
-  (``deferred.finish_plan``); all reach the last layer, and vLLM's rejection sampler accepts or
-  rejects the early predictions as usual (greedy: equality; sampling: min(1, p/q) with the q
-  the head drew from). So the deep layers of an early token are computed once, in the pass
-  that verifies it: no second pass over layers the draft already ran.
+  (``adadecode_schedule.finish_plan``); all reach the last layer, and vLLM's rejection sampler
+  accepts or rejects the early predictions as usual (greedy: equality; sampling: min(1, p/q)
+  with the q the head drew from). So the deep layers of an early token are computed once, in
+  the pass that verifies it: no second pass over layers the draft already ran.
 
 A pending round is used only by the very next target forward, only for the rows that are
 exactly its tokens at its positions and KV slots (the scheduler may verify fewer drafts, skip or
@@ -30,11 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..deferred import Round, draft_round, finish_plan, usable_prefix
-from ..plans import LayerPlan
-from .drafting import Drafter, finite_rows
-from .kv_groups import slots_of
-from .stats import layer_computations
+from ...plans import LayerPlan
+from ...policies.adadecode_schedule import Round, draft_round, finish_plan, usable_prefix
+from ..drafting import Drafter, finite_rows
+from ..kv_groups import slots_of
+from ..stats import layer_computations
 
 
 @dataclass
@@ -47,7 +49,7 @@ class PendingRound:
 
 
 class _DraftBackend:
-    """``deferred.Backend`` for one draft round of a batch of requests: row (r, i) is token i of
+    """``adadecode_schedule.Backend`` for one draft round of a batch of requests: row (r, i) is token i of
     request r's round, at flat index ``r * width + i`` of the state buffers."""
 
     def __init__(
@@ -164,7 +166,7 @@ class _DraftBackend:
 
 
 class DeferredEngine(Drafter):
-    """AdaDecode's drafting and finishing pass: the drafter ``deferred`` (drafting.py)."""
+    """AdaDecode's drafting and finishing pass: the drafter ``deferred`` (engine/drafting.py)."""
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)

@@ -1,5 +1,5 @@
 """Draft rounds through each request's layer plan (layerskip, DEL, KnapSpec): the drafter
-``plan`` (drafting.py).
+``plan`` (engine/drafting.py).
 
 Every request drafts one token per draft step through the sub-layers its plan keeps, over the
 **target's own paged KV cache** (draft KV is written at positions the next verification
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .drafting import Drafter, RoundStart
+from ..drafting import Drafter, RoundStart
 
 
 class PlanDrafter(Drafter):

@@ -1,4 +1,4 @@
-"""Cascade's draft rounds (policies/cascade.py): the drafter ``cascade`` (drafting.py).
+"""Cascade's draft rounds (policies/cascade.py): the drafter ``cascade`` (engine/drafting.py).
 
 Each draft token walks the trained exits shallowest first and is drafted at the first whose
 confidence estimator clears its threshold (``PlanExecutor.run_cascade``: one forward per draft
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .drafting import Drafter, RoundStart
+from ..drafting import Drafter, RoundStart
 
 #: lossy mode: requests whose unverified-token count stats keep (the most recent ones)
 UNVERIFIED_REQUESTS_KEPT = 4096

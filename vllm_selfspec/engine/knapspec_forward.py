@@ -1,5 +1,5 @@
 """KnapSpec's search on the real model: the DP's sub-layers over the target's own paged KV cache,
-and the start-up latency model (the algorithm is ``policies/knapsack.py``).
+and the start-up latency model (the algorithm is ``policies/knapspec_knapsack.py``).
 
 ``KnapsackForward(ctx, block_table_rows)`` serves one request's optimisation (``ctx``: the
 engine's ``drafting.DraftContext``; its block-table row in each KV-cache group,
@@ -44,8 +44,8 @@ import torch
 
 from .. import compat
 from ..cachedir import write_json
-from ..models import home
-from ..policies.knapsack import LatencyModel
+from ..checkpoints import home
+from ..policies.knapspec_knapsack import LatencyModel
 
 logger = logging.getLogger(compat.LOGGER_NAME)
 

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from ..policies.feature import EXIT
-from .drafting import Drafter, RoundStart
+from ...policies.feature import EXIT
+from ..drafting import Drafter, RoundStart
 
 
 def feature_rows(
@@ -41,7 +41,7 @@ def feature_rows(
 
 
 class FeatureDrafter(Drafter):
-    """The drafter ``feature`` (drafting.py)."""
+    """The drafter ``feature`` (engine/drafting.py)."""
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
