@@ -193,7 +193,7 @@ def test_feature_sampling_at_temperature_0_6(tiny_model, tmp_path):
     assert stats["accepted_tokens"] < stats["drafted_tokens"]
 
 
-#: context lookup on the tiny model (min_ngram 1: one repeated token is a match), sampled at
+#: context lookup on the tiny model (a match of one token drafts up to 4), sampled at
 #: T = 1.5 where the target's p(x) of a lookup draft is far from 1. Half the requests have a
 #: prompt holding every token (a lookup draft every step), half the usual short one (mostly
 #: self-drafts), in the same batches: steps mix lookup point masses with self-drafts' q. A
@@ -201,7 +201,7 @@ def test_feature_sampling_at_temperature_0_6(tiny_model, tmp_path):
 #: rightly pick the self-drafts; the tests take a lookup draft wherever there is one.
 # the request's own context only: other requests' outputs (the same prompt, sampled again and
 # again) would match nearly every step, and no self-draft would be left to mix with
-LOOKUP_SPEC = {**SPEC, "lookup": {"min_ngram": 1, "max_ngram": 2, "shared": False}}
+LOOKUP_SPEC = {**SPEC, "lookup": {"max_spec_factor": 4.0, "shared": False}}
 HOT = 1.5
 EVERY_TOKEN = {"prompt_token_ids": [1] + [(7 * i) % VOCAB for i in range(VOCAB)]}
 

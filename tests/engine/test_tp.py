@@ -115,7 +115,7 @@ def vanilla(tiny_model, tp_env):
 def test_tp2_auto_under_the_goodput_controller(tiny_model, tp_env, vanilla):
     """auto (context lookup + LayerSkip on this model) under the controller: each rank times its
     own steps, and every rank drafts the lengths rank 0 chose."""
-    spec = {"method": "auto", "lookup": {"min_ngram": 1}, "goodput": True}
+    spec = {"method": "auto", "lookup": {"max_spec_factor": 4.0}, "goodput": True}
     with engine(tiny_model, speculative_config=spec, **KW) as llm:
         out = _generate(llm)
         ranks = llm.collective_rpc("selfspec_stats")

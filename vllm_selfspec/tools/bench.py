@@ -32,6 +32,7 @@ import random
 import re
 import select
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -447,6 +448,8 @@ class _Engine:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             pass_fds=(cmd_r, res_w),
+            # its own process group: ``kill`` takes the engine processes it forked down with it
+            start_new_session=True,
         )
         os.close(cmd_r)
         os.close(res_w)
@@ -509,9 +512,13 @@ class _Engine:
         return result
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """The worker and every process of its group (vLLM's engine core and model worker, which
+        a dead worker would otherwise leave running, holding their memory)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
+        self.proc.wait()
         self._log.close()
 
 
