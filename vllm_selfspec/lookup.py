@@ -263,7 +263,7 @@ class ContextIndex:
         step's budget, newest first."""
         toks = self.tokens
         first = not toks
-        toks.extend(int(t) for t in new)
+        toks.extend(map(int, new))
         n = len(toks)
         if first:
             self.floor = max(0, n - self.window)

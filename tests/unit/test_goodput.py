@@ -854,6 +854,29 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
         assert choice.expected_seconds == pytest.approx(want.expected_seconds)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_plain_python_choice_without_draft_steps_equals_the_arrays(seed):
+    """``choose`` takes ``_best_without_draft_steps`` when no draft step is in view: on random
+    batches (self-drafts in them drafting nothing at depth 0) it gives the arrays' choice."""
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 65))
+    cands = []
+    for _ in range(n):
+        k = int(rng.integers(0, 17))
+        accept = np.cumprod(rng.choice([0.0, 0.3, 0.5, 0.5, 0.9, 1.0], size=k))
+        free = rng.random() < 0.7
+        cands.append(Candidate(k, accept, 0.0 if free else 1e-3, 0.0 if free else 2e-3, free))
+    most = sum(c.max_tokens for c in cands)
+    excess = None if rng.random() < 0.3 else np.cumsum(rng.uniform(0.0, 8e-3, size=most))
+    v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
+    args = (0, float(n), 0.05 + 0.005 * n, v1, float(rng.choice([0.0, 10.0, 60.0])), verify, excess)
+    (fast,) = GoodputController._best_without_draft_steps(cands, *args)
+    (arrays,) = GoodputController._best_for_depths(cands, *args)
+    assert fast.tokens == arrays.tokens
+    assert fast.expected_tokens == pytest.approx(arrays.expected_tokens)
+    assert fast.expected_seconds == pytest.approx(arrays.expected_seconds)
+
+
 def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verifying_step():
     """Verification priced by shape may cost one draft what it costs three (a fixed cost per
     verifying step): the lookup draft's tokens are then worth it together though none is alone,
@@ -863,6 +886,7 @@ def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verif
     args = (1.0, 0.05, 4e-3, 150.0, 0.0, excess)  # base, plain, v1, floor, verify, excess
     got = GoodputController._best_for_depths([free], 0, *args)
     assert got[0].tokens == one_depth_reference([free], 0, *args).tokens == [3]
+    assert GoodputController._best_without_draft_steps([free], 0, *args)[0].tokens == [3]
 
 
 def _shape_samples(deviations):
