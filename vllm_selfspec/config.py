@@ -33,6 +33,7 @@ from typing import Any
 from .heads.embedded import cached_heads
 from .heads.io import read_config as read_heads_config
 from .lookup import check_options as check_lookup
+from .lookup import suffix_tree_class
 from .model_info import ModelInfo
 from .policies import POLICIES
 from .policies.options import is_int
@@ -283,7 +284,9 @@ class SelfSpecConfig:
             raise SelfSpecConfigError(f"goodput must be true or false, got {goodput!r}")
         try:
             lookup = check_lookup(merged.pop("lookup"))
-        except ValueError as e:
+            if lookup:
+                suffix_tree_class()  # the suffix trees' module is there, or how to get it
+        except (ValueError, ImportError) as e:
             raise SelfSpecConfigError(str(e)) from e
         if lookup and policy and (policy.deferred or merged.get("lossy")):
             raise SelfSpecConfigError(

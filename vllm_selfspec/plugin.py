@@ -167,9 +167,32 @@ def translate_engine_args(args) -> SelfSpecConfig | None:
     return cfg
 
 
+def arctic_inference_patches_vllm() -> bool:
+    """Whether ArcticInference's own vLLM plugin is installed and enabled in this process: it
+    patches vLLM's model runner and scheduler as this plugin does (context lookup uses only its
+    ``suffix_decoding`` module, which ``scripts/install_suffix_decoding.sh`` installs without the
+    plugin). Its plugin does nothing unless ``ARCTIC_INFERENCE_ENABLED`` is set."""
+    from importlib.metadata import entry_points
+
+    enabled = os.environ.get("ARCTIC_INFERENCE_ENABLED", "").strip().lower()
+    if enabled in ("", "0", "false", "no", "off"):
+        return False
+    allowed = os.environ.get("VLLM_PLUGINS")
+    for ep in entry_points(group="vllm.general_plugins"):
+        if "arctic_inference" in ep.value and (allowed is None or ep.name in allowed.split(",")):
+            return True
+    return False
+
+
 def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
     """Checks that need the resolved model and parallel config (still before serving); stores
     the config with its "auto" options made concrete for the workers."""
+    if arctic_inference_patches_vllm():
+        raise SelfSpecConfigError(
+            "ArcticInference's vLLM plugin is enabled (ARCTIC_INFERENCE_ENABLED) and would patch "
+            "vLLM beside selfspec: unset ARCTIC_INFERENCE_ENABLED, or leave its plugin out with "
+            "VLLM_PLUGINS (selfspec needs only arctic_inference.suffix_decoding)"
+        )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise SelfSpecConfigError("selfspec does not support pipeline parallelism")
     if vllm_config.kv_transfer_config is not None:

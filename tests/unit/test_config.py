@@ -146,3 +146,19 @@ def test_trained_exits_are_integers(layers):
         )
     with pytest.raises(ValueError, match="exit_layers must be a non-empty subset"):
         AdaDecodePolicy.exits({"exit_layers": layers}, {"layers": [1, 12]})
+
+
+def test_lookup_without_the_suffix_tree_module_fails_with_the_command_to_get_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_arctic(name, *args, **kwargs):
+        if name.startswith("arctic_inference"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_arctic)
+    with pytest.raises(SelfSpecConfigError, match="install_suffix_decoding.sh"):
+        SelfSpecConfig.load({"method": "auto"})
+    SelfSpecConfig.load({"method": "layerskip"})  # no lookup: no suffix trees needed

@@ -199,3 +199,27 @@ def test_the_cuda_graph_guard_on_a_cuda_platform(monkeypatch, method, cpu, eager
     else:
         assert plugin.check_vllm_config(vllm_config, cfg) is cfg
         assert vllm_config.additional_config["selfspec"] == cfg.stored()
+
+
+def test_arctic_inferences_own_plugin_is_refused_when_it_would_patch_vllm(monkeypatch):
+    """selfspec uses ArcticInference's suffix trees only; its vLLM plugin, installed with the
+    full package and active under ARCTIC_INFERENCE_ENABLED, would patch vLLM beside selfspec."""
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    from vllm_selfspec.plugin import arctic_inference_patches_vllm
+
+    arctic = SimpleNamespace(
+        name="arctic_inference", value="arctic_inference.vllm.plugin:arctic_inference_plugin"
+    )
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [arctic])
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("ARCTIC_INFERENCE_ENABLED", raising=False)
+    assert not arctic_inference_patches_vllm()  # installed, not enabled: it does nothing
+    monkeypatch.setenv("ARCTIC_INFERENCE_ENABLED", "1")
+    assert arctic_inference_patches_vllm()
+    monkeypatch.setenv("VLLM_PLUGINS", "selfspec")  # vLLM loads only the plugins named
+    assert not arctic_inference_patches_vllm()
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert not arctic_inference_patches_vllm()  # only the suffix module (make's install)

@@ -522,6 +522,30 @@ class _Engine:
         self._log.close()
 
 
+def code_version() -> str | None:
+    """The commit of the checkout the package runs from ("+changes" when it has uncommitted
+    changes), or None outside a git checkout: what code a result was measured with."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--", ".."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
 def chunks(num_prompts: int, batch_size: int, size: int | None = None) -> list[tuple[int, int]]:
     """The prompt slices a repeat is timed in, each run by every method of a group in turn:
     ``size`` prompts, by default twice the batch size (a full batch most of the time), so the
@@ -894,6 +918,7 @@ def main(args: argparse.Namespace) -> int:
         engine_args=engine_args(args.eager),
         mode=mode_name(args.eager),
         command_line=_command_line(),
+        code=code_version(),
     )
     table = markdown_table(methods)
     layers = layer_table(methods)
