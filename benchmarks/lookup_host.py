@@ -1,7 +1,7 @@
 """The host time of context lookup per engine step, offline: what `auto` adds to a step besides
 the forwards, at batch 1, 8 and 64 and contexts of 1k and 32k tokens (no engine, no model).
 
-    python benchmarks/lookup_host.py [--steps 200] [--out lookup-host.json]
+    python benchmarks/lookup_host.py [--steps 200] [--out DIR]   # DIR/results.json, DIR/table.md
 
 Each request is a prompt of the given length (a text with repeats, as a document or code to
 edit is), then decoding: per step every request gets 1-3 new tokens (an accepted draft and the
@@ -28,6 +28,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 
 def text_with_repeats(rng: random.Random, n: int) -> list[int]:
@@ -142,25 +143,28 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = []
-    print(
+    lines = [
         "| batch | context | lookup µs | choice µs | bookkeeping µs | total µs | lookup µs of "
-        "the step a new request joins | steps to index a prompt | request trees MB |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+        "the step a new request joins | steps to index a prompt | request trees MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             r = run_cell(batch, context, args.steps)
             rows.append(r)
             s = r["steady_us"]
-            print(
+            lines.append(
                 f"| {batch} | {context} | {s['lookup']} | {s['choice']} | {s['bookkeeping']} | "
                 f"{s['total']} | {r['admission_step_lookup_us']} | "
-                f"{r['steps_to_index_prompts']} | {r['request_index_mb']} |",
-                flush=True,
+                f"{r['steps_to_index_prompts']} | {r['request_index_mb']} |"
             )
+            print(lines[-1], flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
