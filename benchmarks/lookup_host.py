@@ -17,8 +17,12 @@ classes (``engine/proposer.py``: ``_lookup``, ``_candidates``, ``_control``, ``_
 
 Per cell: the median microseconds per step of each part over the steps after the prompts were
 indexed (steady state), and the lookup time of the step in which a new request of that context
-joins the running batch (the stall that the per-step indexing budget bounds). The engine reports the same split live
-(``get_stats()["host_us_per_step"]``: policy, lookup, controller).
+joins the running batch (the stall that the per-step indexing budget bounds).
+
+Warm (the default), the host's caches hold what the proposer touched the step before, as beside
+a GPU forward. ``--cold-mb 400`` sweeps 400 MB between steps, as a forward of the embedded model
+on the same CPU does: the same Python then takes several times longer. The engine reports the
+split live (``get_stats()["host_us_per_step"]``: policy, lookup, controller).
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ def text_with_repeats(rng: random.Random, n: int) -> list[int]:
     return out[:n]
 
 
-def run_cell(batch: int, context: int, steps: int, k: int = 6) -> dict:
+def run_cell(batch: int, context: int, steps: int, k: int = 6, cold_mb: int = 0) -> dict:
     import numpy as np
+
+    # a buffer swept between steps, as a forward on the same CPU sweeps the caches
+    sweep = np.ones(cold_mb * 2**20 // 8) if cold_mb else None
 
     from vllm_selfspec.goodput import AcceptanceTracker, Candidate, GoodputController
     from vllm_selfspec.goodput.costs import StepCostModel
@@ -73,6 +80,8 @@ def run_cell(batch: int, context: int, steps: int, k: int = 6) -> dict:
     parts = {"lookup": [], "choice": [], "bookkeeping": []}
     caught_up = None  # the steps it took to index every prompt
     for _ in range(steps):
+        if sweep is not None:
+            sweep.sum()
         t0 = time.perf_counter()
         drafts = []
         for req in requests:
@@ -141,6 +150,13 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--contexts", default="1024,32768")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--cold-mb",
+        type=int,
+        default=0,
+        help="sweep this many MB between steps: the host caches as a forward on the same CPU "
+        "leaves them (0: warm, as beside a GPU forward)",
+    )
     args = p.parse_args()
     rows = []
     lines = [
@@ -151,7 +167,7 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
-            r = run_cell(batch, context, args.steps)
+            r = run_cell(batch, context, args.steps, cold_mb=args.cold_mb)
             rows.append(r)
             s = r["steady_us"]
             lines.append(
