@@ -64,4 +64,4 @@ bench: model
 		--num-prompts 10 --max-tokens 128 --out bench-out
 
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf $(VENV) bench-out gpu-check-out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_selfspec.tools.bench import method_configs
+from vllm_selfspec.tools.bench import method_configs, parse_engine_args
 
 
 @pytest.mark.parametrize("layers,exit_layer", [(30, 28), (18, 16), (2, 1)])
@@ -79,3 +79,12 @@ def test_each_repeat_empties_suffix_decodings_global_tree():
     assert (new.max_tree_depth, new.max_cached_requests) == (24, 10000)
     forget_cross_request_memory(llm, {"method": "ngram"})  # nothing to forget
     assert worker.model_runner.drafter.suffix_cache is new
+
+
+def test_engine_args_for_every_engine():
+    assert parse_engine_args(None) == {}
+    assert parse_engine_args('{"dtype": "bfloat16"}') == {"dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_engine_args("{dtype}")
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_engine_args('["dtype"]')

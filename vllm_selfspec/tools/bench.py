@@ -147,6 +147,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every engine eagerly (enforce_eager); default: vLLM's default mode, "
         "compiled (torch.compile, and CUDA graphs on CUDA), as people run vLLM",
     )
+    parser.add_argument(
+        "--engine-args",
+        default=None,
+        help="JSON engine settings for every engine, over the bench's own (ENGINE_ARGS), e.g. "
+        '\'{"dtype": "bfloat16", "gpu_memory_utilization": 0.2}\' on a GPU (vLLM checks at '
+        "start-up that each engine's share of the GPU is free)",
+    )
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     parser.add_argument(
@@ -215,6 +222,21 @@ def method_configs(
             )
         configs[name].update(opts)
     return configs
+
+
+def parse_engine_args(text: str | None) -> dict:
+    """``--engine-args``: a JSON object of engine settings (None: no settings).
+
+    >>> parse_engine_args('{"dtype": "bfloat16"}')
+    {'dtype': 'bfloat16'}
+    """
+    try:
+        settings = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine-args is not valid JSON: {e}") from e
+    if not isinstance(settings, dict):
+        raise ValueError("--engine-args must be a JSON object {setting: value}")
+    return settings
 
 
 def split_engine(cfg: dict | None) -> tuple[dict | None, dict]:
@@ -305,7 +327,7 @@ def _worker(spec_path: str) -> int:
         model=spec["model"],
         max_num_seqs=spec["batch_size"],
         speculative_config=cfg,
-        **{**engine_args(spec.get("eager", False)), **engine},
+        **{**engine_args(spec.get("eager", False)), **spec.get("engine_args", {}), **engine},
     )
     startup_s = time.perf_counter() - t_start  # compilation (or its cache) included
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
@@ -875,6 +897,7 @@ def main(args: argparse.Namespace) -> int:
         model = resolve_model(args.model)
         hf_config = AutoConfig.from_pretrained(model)
         num_layers = hf_config.num_hidden_layers
+        shared = parse_engine_args(getattr(args, "engine_args", None))
         configs = method_configs(args.methods, args.method_config, num_layers)
         check_selfspec_configs(configs, hf_config)
         prompts = load_prompts(args.prompts, args.num_prompts, model)
@@ -891,6 +914,7 @@ def main(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "slice_size": args.slice_size,
         "eager": args.eager,
+        "engine_args": shared,
     }
     with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
         try:
@@ -915,7 +939,7 @@ def main(args: argparse.Namespace) -> int:
         vllm_version=raw["vanilla"]["vllm_version"],
         torch_threads=raw["vanilla"]["torch_threads"],
         engine_omp_cores=raw["vanilla"]["engine_omp_cores"],
-        engine_args=engine_args(args.eager),
+        engine_args={**engine_args(args.eager), **shared},
         mode=mode_name(args.eager),
         command_line=_command_line(),
         code=code_version(),
