@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import torch
 
-    from vllm_selfspec.models import resolve_model
+    from vllm_selfspec.checkpoints import resolve_model
 
     cuda = not args.cpu
     if cuda and not torch.cuda.is_available():
