@@ -1,7 +1,7 @@
 """Markdown tables from bench runs (``vllm-selfspec bench --out DIR``): a row per run (its prompt
 set and batch size), a column per method with its speedup over vanilla in the same run (median of
-the repeats' paired ratios) and acceptance, vanilla's tokens/s, the engines' mode, and parity over
-every method.
+the repeats' paired ratios) and acceptance, vanilla's tokens/s, the engines' mode, parity over
+every method, and the commit of the code that ran (``bench`` records it; "–": not recorded).
 
 Print one table::
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEED_RUNS = [
     f"docs/results/compiled/{prompts}-bs{batch}"
     for batch in (1, 8)
-    for prompts in ("humaneval", "chat", "passages")
+    for prompts in ("humaneval", "chat", "passages", "edits")
 ]
 
 BLOCK = re.compile(
@@ -65,8 +65,8 @@ def table(runs: list[dict]) -> str:
     lines = [
         "| prompts | batch | new tokens | mode | vanilla tok/s | "
         + " | ".join(f"{m} (acceptance)" for m in methods)
-        + " | parity |",
-        "|" + "---|" * (6 + len(methods)),
+        + " | parity | code |",
+        "|" + "---|" * (7 + len(methods)),
     ]
     for r in runs:
         s, ms = r["settings"], r["methods"]
@@ -75,7 +75,9 @@ def table(runs: list[dict]) -> str:
         mode = "eager" if s.get("engine_args", {}).get("enforce_eager") else "compiled"
         lines.append(
             f"| {s['prompts']} | {s['batch_size']} | {s['max_tokens']} | {mode} | "
-            f"{ms['vanilla']['tokens_per_s']:.1f} | " + " | ".join(cells) + f" | {parity:.2f} |"
+            f"{ms['vanilla']['tokens_per_s']:.1f} | "
+            + " | ".join(cells)
+            + f" | {parity:.2f} | {s.get('code') or '–'} |"
         )
     return "\n".join(lines)
 
