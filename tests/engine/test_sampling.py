@@ -239,7 +239,8 @@ def _always_lookup(monkeypatch) -> None:
 
 def test_sampling_with_lookup_drafts_mixed_in(tiny_model, vanilla_hot, monkeypatch):
     """Lookup drafts are point masses: they reach the rejection sampler as one-hot q (accept
-    with p(x)), beside self-drafts' softmax q in the same step."""
+    with p(x)) beside self-drafts' softmax q in the same step, and as no q at all (vLLM's own
+    point-mass reading) in steps with lookup drafts only."""
     _always_lookup(monkeypatch)
     with engine(tiny_model, speculative_config=LOOKUP_SPEC, **KW) as llm:
         got = _sample_two(llm)
@@ -255,19 +256,18 @@ def test_sampling_with_lookup_drafts_mixed_in(tiny_model, vanilla_hot, monkeypat
 def test_lookup_drafts_passed_off_as_sampled_drafts_are_detected(
     tiny_model, vanilla_hot, monkeypatch
 ):
-    """Negative control: lookup drafts handed over as if they had been drawn from a spread
-    distribution (uniform q instead of the point mass they are) are accepted far too often
+    """Negative control: drafts handed over as if they had been drawn from a spread distribution
+    (uniform q instead of the point mass a lookup draft is) are accepted far too often
     (min(1, p/q)), which the chi-square test must catch. (A q of 0 at the drafted token would
     not be a distribution error in vLLM 0.32: its rejection sampler then always rejects and
     samples the target's p.)"""
     _always_lookup(monkeypatch)
-    orig = SelfSpecProposer._point_masses
 
-    def spread(self, *args):
-        q = orig(self, *args)
-        return None if q is None else torch.full_like(q, 1.0 / q.shape[-1])
+    def spread(self, req_ids, spec_decode_metadata):
+        n = len(spec_decode_metadata.draft_token_ids)
+        return torch.full((n, self.info.vocab_size), 1.0 / self.info.vocab_size) if n else None
 
-    monkeypatch.setattr(SelfSpecProposer, "_point_masses", spread)
+    monkeypatch.setattr(SelfSpecProposer, "draft_probs", spread)
     with engine(tiny_model, speculative_config=LOOKUP_SPEC, **KW) as llm:
         got = _sample_two(llm)
     p = _lookup_pvalue(vanilla_hot, got)

@@ -312,7 +312,8 @@ class SelfSpecProposer:
     def draft_probs(self, req_ids: list[str], spec_decode_metadata) -> torch.Tensor | None:
         """q of every draft token verified now, in the rejection sampler's order (vLLM's runner
         asks at verification: ``_get_spec_decode_draft_probs``); None when no request verifying
-        drafts has a q (all greedy): the sampler then reads none.
+        drafts has a q (greedy, or lookup drafts only): vLLM's sampler then reads every draft as
+        a point mass, as it does its own ngram drafts (no [drafts, vocabulary] tensor made).
 
         A verified request without a q gets point masses at its draft tokens. That is exact for
         any drafting distribution: accepting x with probability p(x), else sampling from p
@@ -596,9 +597,9 @@ class SelfSpecProposer:
                 if g > 0:
                     step.drafts[i], slots = lookups[i][0][:g], lookups[i][1][:g]
                     self._lookup_round[req_ids[i]] = slots
-                    self._pending_q[req_ids[i]] = self._point_masses(
-                        step.sampling_metadata, i, step.drafts[i]
-                    )
+                    # no q kept: a lookup draft had probability 1, and ``draft_probs`` hands
+                    # drafts without a q over as point masses
+                    self._pending_q[req_ids[i]] = None
                     self.stats.draft_length_hist[g] += 1
                 active[j] = (i, decision, 0)
                 self.policy.capped(self.states[req_ids[i]], 0)
@@ -691,17 +692,6 @@ class SelfSpecProposer:
         if not any(t and not c.free for c, t in zip(cands, tokens)):
             st.controller_plain_steps += 1
         return [(i, d, min(c.max_tokens, t)) for (i, d, _), c, t in zip(active, cands, tokens)]
-
-    def _point_masses(self, sampling_metadata, i: int, tokens: list[int]):
-        """q of lookup drafts for vLLM's rejection sampler: a sampled request's draft token had
-        probability 1 (greedy requests: None)."""
-        if sampling_metadata.all_greedy or float(sampling_metadata.temperature[i]) <= 0:
-            return None
-        q = torch.zeros(
-            len(tokens), self.info.vocab_size, dtype=torch.float32, device=self.runner.device
-        )
-        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return q
 
     def _optimise(self, runner, due) -> None:
         """Searching policies (KnapSpec): run their search on the live model, per request."""
