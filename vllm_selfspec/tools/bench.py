@@ -181,12 +181,7 @@ def method_configs(
     from ..config import methods as selfspec_methods
 
     names = ["vanilla"] + [m.strip() for m in methods.split(",") if m.strip()]
-    try:
-        extra = json.loads(overrides) if overrides else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--method-config is not valid JSON: {e}") from e
-    if not isinstance(extra, dict):
-        raise ValueError("--method-config must be a JSON object {method: {option: value}}")
+    extra = json_object(overrides, "--method-config", "{method: {option: value}}")
     configs: dict[str, dict | None] = {}
     for name in dict.fromkeys(names):
         # a label with its own "method" in --method-config is a variant: ls20 -> layerskip E=20
@@ -230,13 +225,18 @@ def parse_engine_args(text: str | None) -> dict:
     >>> parse_engine_args('{"dtype": "bfloat16"}')
     {'dtype': 'bfloat16'}
     """
+    return json_object(text, "--engine-args", "{setting: value}")
+
+
+def json_object(text: str | None, flag: str, shape: str) -> dict:
+    """A command-line flag's JSON object (None or empty: {}), or a ValueError naming the flag."""
     try:
-        settings = json.loads(text) if text else {}
+        value = json.loads(text) if text else {}
     except json.JSONDecodeError as e:
-        raise ValueError(f"--engine-args is not valid JSON: {e}") from e
-    if not isinstance(settings, dict):
-        raise ValueError("--engine-args must be a JSON object {setting: value}")
-    return settings
+        raise ValueError(f"{flag} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object {shape}")
+    return value
 
 
 def split_engine(cfg: dict | None) -> tuple[dict | None, dict]:
