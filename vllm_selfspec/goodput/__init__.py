@@ -17,7 +17,7 @@ Its parts, one module each:
   draft tokens) where shapes were measured: a forward's time is not a line in its tokens.
 * ``acceptance.AcceptanceTracker`` — per request and draft position j, P(draft j accepted |
   drafts 1..j-1 accepted), decayed, shrunk towards the same figure over all requests (the prior
-  of a new one); for context-lookup drafts (``lookup.py``) the same per match length.
+  of a new one); for context-lookup drafts (``lookup.py``) the same per slot (``lookup.slot``).
 * ``choice`` — what the controller chooses among (``Candidate``, one per request: a self-draft
   or a free lookup draft, ``prefer_free``) and what it chooses (``Choice``);
 * ``controller.GoodputController.choose`` — the draft length of every request together (0

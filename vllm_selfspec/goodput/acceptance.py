@@ -1,4 +1,4 @@
-"""Acceptance: per request and draft position (or lookup match length), P(draft accepted | the
+"""Acceptance: per request and draft position (or lookup slot), P(draft accepted | the
 drafts before it accepted), decayed and shrunk towards the batch-wide figure."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class AcceptanceTracker:
     """P(a draft token is accepted | the drafts before it were), per request and *slot*, from
     verification outcomes: decayed per request, shrunk towards the batch-wide figure of the slot,
     itself shrunk towards the batch-wide overall rate. A slot is the draft position (1..k) for
-    self-drafts, the match length for context-lookup drafts."""
+    self-drafts, the slot (``lookup.slot``: source, match length, estimate) for context-lookup drafts."""
 
     def __init__(
         self, slots: int, decay: float = 0.9, weight: float = 2.0, prior: float = 0.5
