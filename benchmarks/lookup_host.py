@@ -47,8 +47,12 @@ def text_with_repeats(rng: random.Random, n: int) -> list[int]:
     return out[:n]
 
 
-def run_cell(batch: int, context: int, steps: int, k: int = 6, cold_mb: int = 0) -> dict:
+def run_cell(batch: int, context: int, steps: int, k: int | None = None, cold_mb: int = 0) -> dict:
     import numpy as np
+
+    from vllm_selfspec.config import AUTO_OPTIONS
+
+    k = k or AUTO_OPTIONS["num_speculative_tokens"]  # the longest lookup draft auto verifies
 
     # a buffer swept between steps, as a forward on the same CPU sweeps the caches
     sweep = np.ones(cold_mb * 2**20 // 8) if cold_mb else None
