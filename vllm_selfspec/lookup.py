@@ -29,9 +29,10 @@ on the same suffix trees: ArcticInference's ``SuffixTree`` (C++, ``arctic_infere
 Worked example (``max_depth=8``, factor 1, minimum estimate 0.1)::
 
     tokens:  a b c d a b c e a b
-    propose(4): the end "a b" (match 2) occurred twice, followed by "c d" and "c e": the
-        draft is "c" (estimate 2/2 = 1.0), then "d" or "e" (1/2 = 0.5); 2 tokens at most
-        (factor 1 x match 2)  =>  [c, d], estimates [1.0, 0.5]
+    propose(4): the end "a b" (match 2) occurred three times, the last one the end itself:
+        twice followed by "c", then by "d" once and "e" once: the draft is "c" (estimate
+        2/3), then "d" (1/3); 2 tokens at most (factor 1 x match 2)  =>  [c, d], estimates
+        [0.67, 0.33]
 """
 
 from __future__ import annotations
