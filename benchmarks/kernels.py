@@ -29,7 +29,11 @@ from vllm_selfspec.kernels.lm_head_argmax import (
     lm_head_argmax_triton,
 )
 from vllm_selfspec.kernels.memory import MIB
-from vllm_selfspec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from vllm_selfspec.kernels.paged_attention import (
+    paged_attention_reference,
+    paged_attention_triton,
+    split_kv_cache,
+)
 
 # (name, shadow rows N, vocab V, hidden d)
 SMOLLM2 = [
@@ -183,7 +187,8 @@ BLOCK_SIZE = 16
 
 def make_paged_inputs(num_tokens: int, context: int, heads: tuple, dtype: torch.dtype, device: str):
     """``num_tokens`` decode rows, each its own request at position ``context - 1``, over shuffled
-    KV blocks (as a long-running server's block table looks)."""
+    KV blocks (as a long-running server's block table looks), in FlashAttention's cache layout
+    (the key and value views of one ``[..., 2 * head_size]`` cache)."""
     _, num_q_heads, num_kv_heads, head_size = heads
     g = torch.Generator(device="cpu").manual_seed(0)
     blocks_per_req = -(-context // BLOCK_SIZE)
@@ -209,7 +214,8 @@ def make_paged_inputs(num_tokens: int, context: int, heads: tuple, dtype: torch.
         slot_mapping=slots, block_table=block_table, req_indices=req_indices, positions=positions
     )
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
-    return (query, key, value, kv_cache), dict(kwargs, scale=head_size**-0.5)
+    key_cache, value_cache = split_kv_cache(kv_cache, head_size)
+    return (query, key, value, key_cache, value_cache), dict(kwargs, scale=head_size**-0.5)
 
 
 def bench_paged_gpu(ceilings: tuple[float, float], dtype: torch.dtype) -> None:

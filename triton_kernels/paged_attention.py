@@ -25,11 +25,20 @@ The *physical* order is a separate choice (``vllm/v1/kv_cache_layout.py:15-28``,
 ``KVCacheLayout``): FlashAttention declares no preference (``vllm/v1/attention/backend.py:369-372``),
 so the default preference applies, ``LBNHC`` first (``vllm/v1/attention/backends/utils.py:195-224``),
 i.e. memory ``[layer][block][token][kv head][K | V]``; the per-layer tensor is a strided
-``as_strided`` view (``vllm/v1/kv_cache_interface.py:377-441``). Both paths here take the logical
-view with whatever strides it has, so any ``KVCacheLayout`` works. The older
+``as_strided`` view (``vllm/v1/kv_cache_interface.py:377-441``). The older
 ``[2, num_blocks, block_size, num_kv_heads, head_size]`` layout is *not* what vLLM 0.32 uses.
-vLLM's CPU backend stores its cache differently (``cpu_attn.py:411-416``: K rows, then V rows, per
-block and head, in ISA-specific kernels), so a CPU-backend cache is not readable here.
+
+Every function here takes the cache as two views, ``key_cache`` and ``value_cache``, each the
+logical ``[num_blocks, num_kv_heads, block_size, head_size]`` with arbitrary strides (both paths
+read every stride from the tensors, so any ``KVCacheLayout`` works). For the FlashAttention /
+FlashInfer view above, :func:`split_kv_cache` gives them: ``kv_cache[..., :head_size]`` and
+``kv_cache[..., head_size:]``. vLLM's CPU backend (``cpu_attn.py:411-416``) views its cache as
+``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and chunks it into K rows then V rows per
+block and head; for ISAs ``vec`` and ``vec16`` its V rows are plain (token-major) and its K rows
+are transposed (element d of token o at ``d * block_size + o``), so that cache is readable here
+through the strided key view ``torch.as_strided(kc, (nb, nh, bs, hd), (kc.stride(0), kc.stride(1),
+1, bs), kc.storage_offset())`` and the value chunk as it is (other ISAs, such as ``amx``, are not
+covered).
 
 Numerics (the spec, shared by both paths): scores ``q . k`` with inputs in their dtype and products
 summed in float32, times ``scale``; softmax in float32; ``P @ V`` with P in float32 and V upcast to
@@ -97,23 +106,36 @@ def request_rows(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------------
-# Checks shared by both paths.
+# The cache views and the checks shared by both paths.
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_indices, positions):
-    if query.dim() != 3 or key.dim() != 3 or kv_cache.dim() != 4:
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache) views of vLLM 0.32's FlashAttention / FlashInfer per-layer cache
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (key then value on the last axis):
+    ``kv_cache[..., :head_size]`` and ``kv_cache[..., head_size:]``, sharing its storage."""
+    return kv_cache[..., :head_size], kv_cache[..., head_size:]
+
+
+def _check_inputs(
+    query, key, value, key_cache, value_cache, slot_mapping, block_table, req_indices, positions
+):
+    if query.dim() != 3 or key.dim() != 3:
         raise ValueError(
-            f"query/key/value must be [A, heads, head_size] and kv_cache [num_blocks, "
-            f"num_kv_heads, block_size, 2 * head_size]; got {tuple(query.shape)}, "
-            f"{tuple(key.shape)}, {tuple(kv_cache.shape)}"
+            f"query/key/value must be [A, heads, head_size]; got {tuple(query.shape)}, "
+            f"{tuple(key.shape)}"
         )
     num_tokens, num_q_heads, head_size = query.shape
-    _, num_kv_heads, _, content = kv_cache.shape
-    if content != 2 * head_size:
+    if (
+        key_cache.dim() != 4
+        or key_cache.shape[3] != head_size
+        or value_cache.shape != key_cache.shape
+    ):
         raise ValueError(
-            f"kv_cache's last axis must be 2 * head_size = {2 * head_size}, got {content}"
+            f"key_cache and value_cache must both be [num_blocks, num_kv_heads, block_size, "
+            f"head_size = {head_size}]; got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
+    num_kv_heads = key_cache.shape[1]
     if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
         raise ValueError(
             f"key and value must be [{num_tokens}, {num_kv_heads}, {head_size}], got "
@@ -134,10 +156,11 @@ def _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_in
         raise ValueError(
             f"block_table must be [num_reqs, max_blocks], got {tuple(block_table.shape)}"
         )
-    if not (query.dtype == key.dtype == value.dtype == kv_cache.dtype):
+    dtypes = (query.dtype, key.dtype, value.dtype, key_cache.dtype, value_cache.dtype)
+    if len(set(dtypes)) != 1:
         raise NotImplementedError(
-            f"query, key, value and kv_cache must share one dtype (no fp8 / quantised KV caches); got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}, {kv_cache.dtype}"
+            f"query, key, value, key_cache and value_cache must share one dtype (no fp8 / quantised "
+            f"KV caches); got {', '.join(map(str, dtypes))}"
         )
 
 
@@ -147,21 +170,27 @@ def _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_in
 
 
 def write_kv_reference(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """``reshape_and_cache_flash``: token a's K/V go to block ``slot // block_size``, row
-    ``slot % block_size``; negative slots are padding and write nothing."""
-    head_size, block_size = key.shape[-1], kv_cache.shape[2]
+    ``slot % block_size`` of ``key_cache`` / ``value_cache`` (in place, through their strides);
+    negative slots are padding and write nothing."""
+    block_size = key_cache.shape[2]
     keep = (slot_mapping >= 0).nonzero()[:, 0]
     slots = slot_mapping[keep].long()
     blocks, rows = slots // block_size, slots % block_size
-    kv_cache[blocks, :, rows, :head_size] = key[keep]  # [n, num_kv_heads, head_size]
-    kv_cache[blocks, :, rows, head_size:] = value[keep]
+    key_cache[blocks, :, rows] = key[keep]  # [n, num_kv_heads, head_size]
+    value_cache[blocks, :, rows] = value[keep]
 
 
 def attend_reference(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     block_table: torch.Tensor,
     req_indices: torch.Tensor,
     positions: torch.Tensor,
@@ -170,14 +199,14 @@ def attend_reference(
     """Each token's decode attention over positions ``0 .. position`` of its request: gather the
     K/V of those positions through the block table (padded to the longest context, masked), softmax."""
     num_tokens, num_q_heads, head_size = query.shape
-    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     if num_tokens == 0:
         return query.new_empty(query.shape)
     context = positions.long() + 1
     n = torch.arange(int(context.max()), device=query.device)
-    blocks = block_table.long()[req_indices.long()][:, n // block_size]  # [A, L]
-    kv = kv_cache[blocks, :, n % block_size].float()  # [A, L, num_kv_heads, 2D]
-    k, v = kv[..., :head_size], kv[..., head_size:]
+    blocks, rows = block_table.long()[req_indices.long()][:, n // block_size], n % block_size
+    k = key_cache[blocks, :, rows].float()  # [A, L, num_kv_heads, head_size]
+    v = value_cache[blocks, :, rows].float()
     q = query.float().view(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_size)
     scores = torch.einsum("ahgd,alhd->ahgl", q, k) * scale
     scores.masked_fill_(n[None, None, None, :] >= context[:, None, None, None], float("-inf"))
@@ -189,7 +218,8 @@ def paged_attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     *,
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
@@ -199,15 +229,21 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """The spec, in plain PyTorch: write every token's K/V at its slot, then attend.
 
-    query ``[A, num_q_heads, head_size]``; key, value ``[A, num_kv_heads, head_size]``; kv_cache
-    vLLM's per-layer view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (updated in
-    place); slot_mapping ``[A]`` (negative: padding); block_table ``[num_reqs, max_blocks]``;
-    req_indices ``[A]``: each token's block-table row; positions ``[A]``: causal length is
-    ``position + 1``. Returns ``[A, num_q_heads, head_size]`` in the query dtype.
+    query ``[A, num_q_heads, head_size]``; key, value ``[A, num_kv_heads, head_size]``;
+    key_cache, value_cache the layer's cache views ``[num_blocks, num_kv_heads, block_size,
+    head_size]``, any strides (updated in place; see the module docstring and
+    :func:`split_kv_cache`); slot_mapping ``[A]`` (negative: padding); block_table
+    ``[num_reqs, max_blocks]``; req_indices ``[A]``: each token's block-table row; positions
+    ``[A]``: causal length is ``position + 1``. Returns ``[A, num_q_heads, head_size]`` in the
+    query dtype.
     """
-    _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_indices, positions)
-    write_kv_reference(key, value, kv_cache, slot_mapping)
-    return attend_reference(query, kv_cache, block_table, req_indices, positions, scale)
+    _check_inputs(
+        query, key, value, key_cache, value_cache, slot_mapping, block_table, req_indices, positions
+    )
+    write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+    return attend_reference(
+        query, key_cache, value_cache, block_table, req_indices, positions, scale
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,7 +289,8 @@ if HAS_TRITON:
     def _write_kv_kernel(
         k_ptr,
         v_ptr,
-        cache_ptr,
+        kc_ptr,
+        vc_ptr,
         slot_ptr,
         head_size,
         block_size,
@@ -263,10 +300,14 @@ if HAS_TRITON:
         stride_va,
         stride_vh,
         stride_vd,
-        stride_cb,
-        stride_ch,
-        stride_cn,
-        stride_cc,
+        stride_kcb,
+        stride_kch,
+        stride_kcn,
+        stride_kcd,
+        stride_vcb,
+        stride_vch,
+        stride_vcn,
+        stride_vcd,
         BLOCK_D: tl.constexpr,
     ):
         """One program: one token's K and V for one KV head, stored at its slot (skipped if < 0)."""
@@ -278,19 +319,17 @@ if HAS_TRITON:
             d_mask = d < head_size
             k = tl.load(k_ptr + a * stride_ka + h * stride_kh + d * stride_kd, mask=d_mask)
             v = tl.load(v_ptr + a * stride_va + h * stride_vh + d * stride_vd, mask=d_mask)
-            dst = (
-                cache_ptr
-                + (slot // block_size) * stride_cb
-                + h * stride_ch
-                + (slot % block_size) * stride_cn
-            )
-            tl.store(dst + d * stride_cc, k, mask=d_mask)
-            tl.store(dst + (head_size + d) * stride_cc, v, mask=d_mask)
+            block, row = slot // block_size, slot % block_size
+            k_dst = kc_ptr + block * stride_kcb + h * stride_kch + row * stride_kcn
+            v_dst = vc_ptr + block * stride_vcb + h * stride_vch + row * stride_vcn
+            tl.store(k_dst + d * stride_kcd, k, mask=d_mask)
+            tl.store(v_dst + d * stride_vcd, v, mask=d_mask)
 
     @triton.jit
     def _paged_attention_partial_kernel(
         q_ptr,
-        cache_ptr,
+        kc_ptr,
+        vc_ptr,
         bt_ptr,
         req_ptr,
         pos_ptr,
@@ -306,10 +345,14 @@ if HAS_TRITON:
         stride_qa,
         stride_qh,
         stride_qd,
-        stride_cb,
-        stride_ch,
-        stride_cn,
-        stride_cc,
+        stride_kcb,
+        stride_kch,
+        stride_kcn,
+        stride_kcd,
+        stride_vcb,
+        stride_vch,
+        stride_vcn,
+        stride_vcd,
         stride_bt,
         GROUP: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -347,12 +390,12 @@ if HAS_TRITON:
             blocks = tl.load(bt_ptr + req * stride_bt + n // block_size, mask=n_mask, other=0).to(
                 tl.int64
             )
-            rows = cache_ptr + blocks * stride_cb + h * stride_ch + (n % block_size) * stride_cn
+            rows = n % block_size
+            k_rows = kc_ptr + blocks * stride_kcb + h * stride_kch + rows * stride_kcn
+            v_rows = vc_ptr + blocks * stride_vcb + h * stride_vch + rows * stride_vcn
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(rows[:, None] + d[None, :] * stride_cc, mask=kv_mask, other=0.0)
-            v = tl.load(
-                rows[:, None] + (head_size + d[None, :]) * stride_cc, mask=kv_mask, other=0.0
-            )
+            k = tl.load(k_rows[:, None] + d[None, :] * stride_kcd, mask=kv_mask, other=0.0)
+            v = tl.load(v_rows[:, None] + d[None, :] * stride_vcd, mask=kv_mask, other=0.0)
 
             # input_precision only concerns float32 x float32: IEEE there, not TF32
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
@@ -386,7 +429,11 @@ def _block(n: int) -> int:
 
 
 def write_kv_triton(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Same contract as :func:`write_kv_reference`: one program per (token, KV head)."""
     num_tokens, num_kv_heads, head_size = key.shape
@@ -395,20 +442,23 @@ def write_kv_triton(
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         key,
         value,
-        kv_cache,
+        key_cache,
+        value_cache,
         slot_mapping.contiguous(),
         head_size,
-        kv_cache.shape[2],
+        key_cache.shape[2],
         *key.stride(),
         *value.stride(),
-        *kv_cache.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
         BLOCK_D=triton.next_power_of_2(head_size),
     )
 
 
 def attend_triton(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     block_table: torch.Tensor,
     req_indices: torch.Tensor,
     positions: torch.Tensor,
@@ -427,7 +477,7 @@ def attend_triton(
     ``[splits, A, num_q_heads]`` partials are combined in PyTorch.
     """
     num_tokens, num_q_heads, head_size = query.shape
-    num_kv_heads = kv_cache.shape[1]
+    num_kv_heads = key_cache.shape[1]
     if num_tokens == 0:
         return query.new_empty(query.shape)
     target = _target_programs(query.device)
@@ -448,7 +498,8 @@ def attend_triton(
     group = num_q_heads // num_kv_heads
     _paged_attention_partial_kernel[(num_tokens, num_kv_heads, splits)](
         query,
-        kv_cache,
+        key_cache,
+        value_cache,
         block_table,
         req_indices.contiguous(),
         positions.contiguous(),
@@ -460,9 +511,10 @@ def attend_triton(
         num_tokens,
         num_q_heads,
         head_size,
-        kv_cache.shape[2],
+        key_cache.shape[2],
         *query.stride(),
-        *kv_cache.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
         block_table.stride(0),
         GROUP=group,
         BLOCK_G=_block(group),
@@ -480,7 +532,8 @@ def paged_attention_triton(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     *,
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
@@ -494,11 +547,14 @@ def paged_attention_triton(
     (so every token's read sees every token's write), then the attention."""
     if not HAS_TRITON:
         raise RuntimeError("paged_attention_triton needs Triton")
-    _check_inputs(query, key, value, kv_cache, slot_mapping, block_table, req_indices, positions)
-    write_kv_triton(key, value, kv_cache, slot_mapping)
+    _check_inputs(
+        query, key, value, key_cache, value_cache, slot_mapping, block_table, req_indices, positions
+    )
+    write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     return attend_triton(
         query,
-        kv_cache,
+        key_cache,
+        value_cache,
         block_table,
         req_indices,
         positions,
@@ -519,7 +575,8 @@ def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     *,
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
@@ -540,6 +597,7 @@ def paged_attention(
         positions=positions,
         scale=scale,
     )
+    caches = (key_cache, value_cache)
     if use_triton(query):
-        return paged_attention_triton(query, key, value, kv_cache, **batch, max_context=max_context)
-    return paged_attention_reference(query, key, value, kv_cache, **batch)
+        return paged_attention_triton(query, key, value, *caches, **batch, max_context=max_context)
+    return paged_attention_reference(query, key, value, *caches, **batch)

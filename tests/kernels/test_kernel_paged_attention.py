@@ -24,12 +24,65 @@ import pytest
 import torch
 from vllm_selfspec.kernels import paged_attention as pa
 
-from kernels_testing import RUNNERS, kernel_runner
+from kernels_testing import KERNEL_CALLS, RUNNERS, _forced, kernel_runner
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 F16_TOL = dict(rtol=1e-3, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel calls over cache views. The kernels take two views (key_cache, value_cache) of one cache
+# buffer; a runner moves each tensor argument with its own copy of its storage (pickling for the
+# interpreter process, ``_moved`` for the GPU), so two views sent separately would no longer share
+# one buffer. These calls get the buffer once, with each view's (shape, stride, storage offset), and
+# rebuild the views on it where the kernels run; they return the buffer as written. Registered in
+# ``kernels_testing.KERNEL_CALLS`` here (the GPU runner calls them in this process) and, through
+# importing this module, in the interpreter worker.
+# ------------------------------------------------------------------------------------------------
+
+
+def view_specs(*views: torch.Tensor) -> tuple:
+    """Each view's (shape, stride, storage offset), to rebuild it on its buffer: ``on_views``."""
+    return tuple((tuple(v.shape), v.stride(), v.storage_offset()) for v in views)
+
+
+def on_views(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
+    return [buffer.as_strided(shape, stride, offset) for shape, stride, offset in specs]
+
+
+def paged_attention_triton_on_views(query, key, value, buffer, specs, **kwargs):
+    """``paged_attention_triton`` on the views ``specs`` of ``buffer``; returns (output, buffer)."""
+    out = pa.paged_attention_triton(query, key, value, *on_views(buffer, specs), **kwargs)
+    return out, buffer
+
+
+def forced_paged_attention_on_views(query, key, value, buffer, specs, **kwargs):
+    """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1 on the views ``specs`` of ``buffer``;
+    returns (output, buffer, launches per kernel)."""
+    names = ["_write_kv_kernel", "_paged_attention_partial_kernel"]
+    caches = on_views(buffer, specs)
+    out, launches = _forced(pa, names, pa.paged_attention, query, key, value, *caches, **kwargs)
+    return out, buffer, launches
+
+
+def write_kv_triton_on_views(key, value, buffer, specs, slot_mapping):
+    """``write_kv_triton`` on the views ``specs`` of ``buffer``; returns the buffer."""
+    pa.write_kv_triton(key, value, *on_views(buffer, specs), slot_mapping)
+    return buffer
+
+
+KERNEL_CALLS.update(
+    paged_attention_triton_on_views=paged_attention_triton_on_views,
+    forced_paged_attention_on_views=forced_paged_attention_on_views,
+    write_kv_triton_on_views=write_kv_triton_on_views,
+)
+
+
+def split_specs(kv_cache: torch.Tensor) -> tuple:
+    """``view_specs`` of the FlashAttention layout's two views (``pa.split_kv_cache``)."""
+    return view_specs(*pa.split_kv_cache(kv_cache, kv_cache.shape[-1] // 2))
 
 
 @pytest.fixture(scope="module", params=RUNNERS)
@@ -49,20 +102,22 @@ class Case:
     kwargs: dict  # slot_mapping, block_table, req_indices, positions, scale
 
     def run_reference(self):
-        """(output, cache) of the reference, on a copy of the cache."""
+        """(output, cache) of the reference, on a copy of the cache (its two views)."""
         cache = self.kv_cache.clone()
+        caches = pa.split_kv_cache(cache, self.query.shape[-1])
         return pa.paged_attention_reference(
-            self.query, self.key, self.value, cache, **self.kwargs
+            self.query, self.key, self.value, *caches, **self.kwargs
         ), cache
 
     def run_kernel(self, kernel, **extra):
         """(output, cache) of the Triton kernels through ``kernel`` (on its own copy of the cache)."""
         return kernel(
-            "paged_attention_triton",
+            "paged_attention_triton_on_views",
             self.query,
             self.key,
             self.value,
             self.kv_cache,
+            split_specs(self.kv_cache),
             **self.kwargs,
             **extra,
         )
@@ -189,8 +244,9 @@ def test_bfloat16_cache_write_is_exact(kernel):
     case = make_case(12, 2, 1, 64, 16, 60, num_pad=2, seed=4, dtype=torch.bfloat16)
     slots = case.kwargs["slot_mapping"]
     want = case.kv_cache.clone()
-    pa.write_kv_reference(case.key, case.value, want, slots)
-    got = kernel("write_kv_triton", case.key, case.value, case.kv_cache, slots)
+    pa.write_kv_reference(case.key, case.value, *pa.split_kv_cache(want, 64), slots)
+    specs = split_specs(case.kv_cache)
+    got = kernel("write_kv_triton_on_views", case.key, case.value, case.kv_cache, specs, slots)
     assert torch.equal(got, want) and not torch.equal(got, case.kv_cache)
 
 
@@ -198,7 +254,7 @@ def test_padding_slots_write_nothing():
     case = make_case(8, 2, 1, 64, 16, 40, seed=5)
     slots = torch.full((8,), -1)
     cache = case.kv_cache.clone()
-    pa.write_kv_reference(case.key, case.value, cache, slots)
+    pa.write_kv_reference(case.key, case.value, *pa.split_kv_cache(cache, 64), slots)
     assert torch.equal(cache, case.kv_cache)
 
 
@@ -232,7 +288,8 @@ def test_deferred_tokens_see_each_other_and_match_causal_attention(kernel, group
     cache = torch.randn(6, num_kv_heads, block_size, 2 * head_size, generator=g)
     pos = torch.arange(length)
     slots = block_table[1].long()[pos // block_size] * block_size + pos % block_size
-    pa.write_kv_reference(k[:prefix], v[:prefix], cache, slots[:prefix])  # the cached prefix
+    caches = pa.split_kv_cache(cache, head_size)
+    pa.write_kv_reference(k[:prefix], v[:prefix], *caches, slots[:prefix])  # the cached prefix
 
     new = torch.tensor([43, 42, 44])  # the deferred tokens, in any order
     case = Case(
@@ -271,7 +328,7 @@ def test_reference_matches_causal_attention_for_every_position():
         q.repeat(2, 1, 1),
         k.repeat(2, 1, 1),
         v.repeat(2, 1, 1),
-        cache,
+        *pa.split_kv_cache(cache, head_size),
         slot_mapping=slots,
         block_table=block_table,
         req_indices=req,
@@ -335,8 +392,9 @@ def test_vllm_cache_views_and_flash_attention_split(kernel, layout):
         assert not case.kv_cache.is_contiguous()
 
     ref_raw = raw.clone()
+    ref_caches = pa.split_kv_cache(layer1_view(ref_raw), head_size)
     ref_out = pa.paged_attention_reference(
-        case.query, case.key, case.value, layer1_view(ref_raw), **case.kwargs
+        case.query, case.key, case.value, *ref_caches, **case.kwargs
     )
     out, cache = case.run_kernel(kernel)
     kernel_raw = torch.empty(0, dtype=torch.int8).set_(cache.untyped_storage())
@@ -354,50 +412,52 @@ def test_vllm_cache_views_and_flash_attention_split(kernel, layout):
             assert torch.equal(value_cache[slot // block_size, slot % block_size], case.value[a])
 
 
-@pytest.mark.parametrize(
-    "block_size,head_size,group",
-    [(32, 64, 3), (16, 128, 1)],
-    ids=["bs32-d64-gqa3", "bs16-d128-mha"],
-)
-def test_reference_matches_vllm_cpu_paged_attention(block_size, head_size, group):
-    """vLLM's own CPU ops on the same batch: ``cpu_attn_reshape_and_cache`` into a CPU-backend
-    cache, ``cpu_attention_with_kv_cache`` with each active token as a one-query request
-    (seq_len = position + 1, its request's block-table row). vLLM's CPU cache has its own layout,
-    so the two caches are filled from the same K/V and the attention outputs compared."""
-    ops = _vllm("vllm._custom_ops")
-    cpu_attn = _vllm("vllm.v1.attention.backends.cpu_attn")
-    dtype, num_kv_heads = torch.float32, 3
-    isa = cpu_attn._get_attn_isa(dtype, block_size, head_size)
-    case = make_case(10, num_kv_heads, group, head_size, block_size, 90, num_pad=1, seed=9)
-    num_blocks = case.kv_cache.shape[0]
-    kw = case.kwargs
-    # fill both caches with the same "history" for every block-table position, then run the batch
-    bt = kw["block_table"].long()
-    hist_slots = (bt[:, :, None] * block_size + torch.arange(block_size)).flatten()
-    g = torch.Generator().manual_seed(10)
-    hist_k = torch.randn(hist_slots.numel(), num_kv_heads, head_size, generator=g)
-    hist_v = torch.randn(hist_slots.numel(), num_kv_heads, head_size, generator=g)
-    pa.write_kv_reference(hist_k, hist_v, case.kv_cache, hist_slots)
-    want = pa.paged_attention_reference(case.query, case.key, case.value, case.kv_cache, **kw)
+def _history(case: Case, seed: int):
+    """Random K/V ("history") for every position of every block-table row: (k, v, slots)."""
+    block_size = case.kv_cache.shape[2]
+    num_kv_heads, head_size = case.key.shape[1:]
+    bt = case.kwargs["block_table"].long()
+    slots = (bt[:, :, None] * block_size + torch.arange(block_size)).flatten()
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots.numel(), num_kv_heads, head_size, generator=g)
+    v = torch.randn(slots.numel(), num_kv_heads, head_size, generator=g)
+    return k, v, slots
 
-    cpu_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = cpu_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(
-        2, dim=2
+
+def vllm_cpu_chunks(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value chunks vLLM's CPU backend makes of its cache ``[num_blocks, num_kv_heads,
+    block_size, 2 * head_size]`` for its ops (``cpu_attn.py:411-416``): K rows, then V rows, per
+    block and head."""
+    num_blocks, num_kv_heads, block_size, content = cache.shape
+    return cache.view(num_blocks, num_kv_heads, 2 * block_size, content // 2).chunk(2, dim=2)
+
+
+def vllm_cpu_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our (key_cache, value_cache) views of a vLLM CPU-backend cache (ISAs ``vec``/``vec16``):
+    the key chunk holds element d of token o at ``d * block_size + o`` (a transposed view of it),
+    the value chunk is plain."""
+    kc, vc = vllm_cpu_chunks(cache)
+    nb, nh, bs, hd = vc.shape
+    key_view = torch.as_strided(
+        kc, (nb, nh, bs, hd), (kc.stride(0), kc.stride(1), 1, bs), kc.storage_offset()
     )
-    ops.cpu_attn_reshape_and_cache(hist_k, hist_v, key_cache, value_cache, hist_slots, isa)
-    ops.cpu_attn_reshape_and_cache(
-        case.key, case.value, key_cache, value_cache, kw["slot_mapping"], isa
-    )
-    num_tokens = case.query.shape[0]
+    return key_view, vc
+
+
+def vllm_cpu_attention(ops, case: Case, key_cache, value_cache, isa):
+    """vLLM's ``cpu_attention_with_kv_cache`` over its CPU-backend cache chunks, each active token
+    a one-query request (seq_len = position + 1, its request's block-table row)."""
+    kw = case.kwargs
+    num_tokens, num_q_heads, head_size = case.query.shape
     query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32)
     seq_lens = (kw["positions"] + 1).int()
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=num_tokens,
-        num_heads=case.query.shape[1],
-        num_kv_heads=num_kv_heads,
+        num_heads=num_q_heads,
+        num_kv_heads=case.key.shape[1],
         head_dim=head_size,
         seq_lens=seq_lens,
-        dtype=dtype,
+        dtype=case.query.dtype,
         query_start_loc=query_start_loc,
         causal=True,
         sliding_window_size=-1,
@@ -421,7 +481,104 @@ def test_reference_matches_vllm_cpu_paged_attention(block_size, head_size, group
         scheduler_metadata=metadata,
         s_aux=None,
     )
+    return got
+
+
+@pytest.mark.parametrize(
+    "block_size,head_size,group",
+    [(32, 64, 3), (16, 128, 1)],
+    ids=["bs32-d64-gqa3", "bs16-d128-mha"],
+)
+def test_reference_matches_vllm_cpu_paged_attention(block_size, head_size, group):
+    """vLLM's own CPU ops on the same batch: ``cpu_attn_reshape_and_cache`` into a CPU-backend
+    cache, ``cpu_attention_with_kv_cache`` with each active token as a one-query request
+    (seq_len = position + 1, its request's block-table row). Our reference runs on the
+    FlashAttention layout, so the two caches are filled from the same K/V and the attention
+    outputs compared."""
+    ops = _vllm("vllm._custom_ops")
+    cpu_attn = _vllm("vllm.v1.attention.backends.cpu_attn")
+    num_kv_heads = 3
+    isa = cpu_attn._get_attn_isa(torch.float32, block_size, head_size)
+    case = make_case(10, num_kv_heads, group, head_size, block_size, 90, num_pad=1, seed=9)
+    kw = case.kwargs
+    # fill both caches with the same "history" for every block-table position, then run the batch
+    hist_k, hist_v, hist_slots = _history(case, seed=10)
+    caches = pa.split_kv_cache(case.kv_cache, head_size)
+    pa.write_kv_reference(hist_k, hist_v, *caches, hist_slots)
+    want = pa.paged_attention_reference(case.query, case.key, case.value, *caches, **kw)
+
+    cpu_cache = torch.zeros(case.kv_cache.shape)
+    key_cache, value_cache = vllm_cpu_chunks(cpu_cache)
+    ops.cpu_attn_reshape_and_cache(hist_k, hist_v, key_cache, value_cache, hist_slots, isa)
+    ops.cpu_attn_reshape_and_cache(
+        case.key, case.value, key_cache, value_cache, kw["slot_mapping"], isa
+    )
+    got = vllm_cpu_attention(ops, case, key_cache, value_cache, isa)
     torch.testing.assert_close(want, got, **F32_TOL)
+
+
+@pytest.mark.parametrize(
+    "isa,block_size,head_size,group",
+    [("vec", 32, 64, 3), ("vec16", 64, 80, 1)],
+    ids=["vec-bs32-d64-gqa3", "vec16-bs64-d80-mha"],
+)
+def test_vllm_cpu_backend_cache_through_strided_views(kernel, isa, block_size, head_size, group):
+    """vLLM's CPU-backend cache read and written in place through our two views: the value chunk
+    as it is, the key chunk through the transposed strided view (``vllm_cpu_views``). Float32,
+    sizes vLLM's CPU backend accepts (block sizes a multiple of 32; head size 80 makes vLLM choose
+    ``vec16``). (a) History then the batch written by ``write_kv_reference`` (and by the Triton
+    kernels) through the views, and by vLLM's ``cpu_attn_reshape_and_cache`` into vLLM's own
+    chunks: the caches are bit-identical. (b) Our attention read through the views equals vLLM's
+    ``cpu_attention_with_kv_cache`` on vLLM's cache."""
+    ops = _vllm("vllm._custom_ops")
+    cpu_attn = _vllm("vllm.v1.attention.backends.cpu_attn")
+    if cpu_attn._get_attn_isa(torch.float32, block_size, head_size) != isa:
+        pytest.skip(f"vLLM picks another ISA than {isa} for these sizes on this CPU")
+    num_kv_heads = 2
+    case = make_case(10, num_kv_heads, group, head_size, block_size, 150, num_pad=1, seed=12)
+    kw = case.kwargs
+    hist_k, hist_v, hist_slots = _history(case, seed=13)
+
+    theirs = torch.zeros(case.kv_cache.shape)
+    kc, vc = vllm_cpu_chunks(theirs)
+    ops.cpu_attn_reshape_and_cache(
+        hist_k, hist_v, kc, vc, hist_slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
+    ours = torch.zeros(case.kv_cache.shape)
+    pa.write_kv_reference(hist_k, hist_v, *vllm_cpu_views(ours), hist_slots)
+    assert torch.equal(ours, theirs) and theirs.count_nonzero() > 0  # (a), the history
+    before_batch = ours.clone()
+
+    want = pa.paged_attention_reference(
+        case.query, case.key, case.value, *vllm_cpu_views(ours), **kw
+    )
+    ops.cpu_attn_reshape_and_cache(
+        case.key,
+        case.value,
+        kc,
+        vc,
+        kw["slot_mapping"],
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
+    assert torch.equal(ours, theirs) and not torch.equal(ours, before_batch)  # (a), the batch
+    got = vllm_cpu_attention(ops, case, kc, vc, isa)
+    torch.testing.assert_close(want, got, **F32_TOL)  # (b)
+
+    specs = view_specs(*vllm_cpu_views(before_batch))
+    out, cache = kernel(
+        "paged_attention_triton_on_views",
+        case.query,
+        case.key,
+        case.value,
+        before_batch,
+        specs,
+        **kw,
+    )
+    assert torch.equal(cache, theirs)
+    torch.testing.assert_close(out, want, **F32_TOL)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -472,21 +629,21 @@ def test_empty_batch_and_bad_inputs(kernel):
     for out, cache in (empty.run_reference(), empty.run_kernel(kernel)):
         assert out.shape == (0, 6, 64) and torch.equal(cache, case.kv_cache)
 
+    key_cache, value_cache = pa.split_kv_cache(case.kv_cache, 64)
+    qkv = (case.query, case.key, case.value)
     for impl in (pa.paged_attention_reference, pa.paged_attention_triton):
         with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-            impl(case.query[:, :5], case.key, case.value, case.kv_cache, **case.kwargs)
-        with pytest.raises(ValueError, match="2 \\* head_size"):
-            impl(case.query, case.key, case.value, case.kv_cache[..., :100], **case.kwargs)
+            impl(case.query[:, :5], case.key, case.value, key_cache, value_cache, **case.kwargs)
+        with pytest.raises(ValueError, match="head_size = 64"):  # head sizes disagree
+            impl(*qkv, key_cache[..., :48], value_cache[..., :48], **case.kwargs)
+        with pytest.raises(ValueError, match="key_cache and value_cache"):  # shapes disagree
+            impl(*qkv, key_cache, value_cache[:, :1], **case.kwargs)
+        with pytest.raises(ValueError, match="key_cache and value_cache"):  # the unified cache
+            impl(*qkv, case.kv_cache, case.kv_cache, **case.kwargs)
         with pytest.raises(NotImplementedError, match="quantised"):
-            impl(case.query, case.key, case.value, case.kv_cache.half(), **case.kwargs)
+            impl(*qkv, key_cache, value_cache.half(), **case.kwargs)
         with pytest.raises(ValueError, match="positions"):
-            impl(
-                case.query,
-                case.key,
-                case.value,
-                case.kv_cache,
-                **{**case.kwargs, "positions": torch.zeros(3)},
-            )
+            impl(*qkv, key_cache, value_cache, **{**case.kwargs, "positions": torch.zeros(3)})
 
 
 def test_dispatcher_uses_reference_on_cpu(monkeypatch):
@@ -499,15 +656,15 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     case = make_case(5, 2, 3, 64, 16, 40, num_pad=1)
     assert not pa.use_triton(case.query)
     cache = case.kv_cache.clone()
-    out = pa.paged_attention(case.query, case.key, case.value, cache, **case.kwargs)
+    caches = pa.split_kv_cache(cache, 64)
+    out = pa.paged_attention(case.query, case.key, case.value, *caches, **case.kwargs)
     assert_same((out, cache), case.run_reference(), dict(rtol=0, atol=0))
 
 
 def test_dispatcher_forced_triton_runs_the_kernels(kernel):
     case = make_case(5, 2, 3, 64, 16, 40, num_pad=1)
-    out, cache, launches = kernel(
-        "forced_paged_attention", case.query, case.key, case.value, case.kv_cache, **case.kwargs
-    )
+    args = (case.query, case.key, case.value, case.kv_cache, split_specs(case.kv_cache))
+    out, cache, launches = kernel("forced_paged_attention_on_views", *args, **case.kwargs)
     assert launches == {"_write_kv_kernel": 1, "_paged_attention_partial_kernel": 1}
     assert_same((out, cache), case.run_reference(), F32_TOL)
 
@@ -517,10 +674,11 @@ def test_dispatcher_passes_max_context_on(kernel):
     output; one far too small (positions past it are dropped once the context is split) does
     not, which it could not if the dispatcher read ``positions.max()`` itself."""
     case = make_case(3, 1, 3, 64, 16, 300, seed=1)  # 3 programs: the context is split
-    args = (case.query, case.key, case.value, case.kv_cache)
-    out, cache, _ = kernel("forced_paged_attention", *args, **case.kwargs, max_context=300)
+    args = (case.query, case.key, case.value, case.kv_cache, split_specs(case.kv_cache))
+    forced = "forced_paged_attention_on_views"
+    out, cache, _ = kernel(forced, *args, **case.kwargs, max_context=300)
     assert_same((out, cache), case.run_reference(), F32_TOL)
-    short, _, _ = kernel("forced_paged_attention", *args, **case.kwargs, max_context=130)
+    short, _, _ = kernel(forced, *args, **case.kwargs, max_context=130)
     assert not torch.allclose(short, out, **F32_TOL)
 
 
@@ -539,7 +697,8 @@ def test_bf16_on_gpu(shape):
     ref_out, ref_cache = case.run_reference()
     cache = case.kv_cache.clone()
     assert pa.use_triton(case.query)
-    out = pa.paged_attention(case.query, case.key, case.value, cache, **case.kwargs)
+    caches = pa.split_kv_cache(cache, shape[3])
+    out = pa.paged_attention(case.query, case.key, case.value, *caches, **case.kwargs)
     assert torch.equal(cache, ref_cache)
     # bf16 products are exact in float32; the float32 results differ only in summation order, so
     # the bfloat16 outputs are at most a rounding apart (2 ulps = 2 * 2^-8 relative allowed)
