@@ -73,25 +73,41 @@ def forced_dispatch(*args, **kwargs):
     return result, launches[name]
 
 
-def forced_paged_attention(query, key, value, kv_cache, **kwargs):
-    """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1; returns (output, the cache as written,
-    launches per kernel). The cache comes back because the caller's copy is not the one written."""
+# The paged-attention kernels take two views (key_cache, value_cache) of one cache buffer. A
+# runner moves each tensor argument with its own copy of its storage (pickling for the
+# interpreter process, ``_moved`` for the GPU), so two views sent separately would no longer share
+# one buffer: these calls get the buffer once, with each view's (shape, stride, storage offset)
+# (``view_specs``), rebuild the views on it where the kernels run, and return the buffer as written.
+def view_specs(*views: torch.Tensor) -> tuple:
+    """Each view's (shape, stride, storage offset), to rebuild it on its buffer: ``on_views``."""
+    return tuple((tuple(v.shape), v.stride(), v.storage_offset()) for v in views)
+
+
+def on_views(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
+    return [buffer.as_strided(shape, stride, offset) for shape, stride, offset in specs]
+
+
+def paged_attention_triton_on_views(query, key, value, buffer, specs, **kwargs):
+    """``paged_attention_triton`` on the views ``specs`` of ``buffer``; returns (output, buffer)."""
+    out = _pa().paged_attention_triton(query, key, value, *on_views(buffer, specs), **kwargs)
+    return out, buffer
+
+
+def forced_paged_attention_on_views(query, key, value, buffer, specs, **kwargs):
+    """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1 on the views ``specs`` of ``buffer``;
+    returns (output, buffer, launches per kernel)."""
     names = ["_write_kv_kernel", "_paged_attention_partial_kernel"]
+    caches = on_views(buffer, specs)
     out, launches = _forced(
-        _pa(), names, _pa().paged_attention, query, key, value, kv_cache, **kwargs
+        _pa(), names, _pa().paged_attention, query, key, value, *caches, **kwargs
     )
-    return out, kv_cache, launches
+    return out, buffer, launches
 
 
-def paged_attention_triton(query, key, value, kv_cache, **kwargs):
-    """``paged_attention_triton``; returns (output, the cache as written)."""
-    return _pa().paged_attention_triton(query, key, value, kv_cache, **kwargs), kv_cache
-
-
-def write_kv_triton(key, value, kv_cache, slot_mapping):
-    """``write_kv_triton``; returns the cache as written."""
-    _pa().write_kv_triton(key, value, kv_cache, slot_mapping)
-    return kv_cache
+def write_kv_triton_on_views(key, value, buffer, specs, slot_mapping):
+    """``write_kv_triton`` on the views ``specs`` of ``buffer``; returns the buffer."""
+    _pa().write_kv_triton(key, value, *on_views(buffer, specs), slot_mapping)
+    return buffer
 
 
 #: what a test may ask a runner to call
@@ -99,9 +115,9 @@ KERNEL_CALLS = {
     "lm_head_argmax_triton": lambda *a, **k: _lm().lm_head_argmax_triton(*a, **k),
     "forced_dispatch": forced_dispatch,
     "kernel_is_interpreted": lambda: _interpreted(_lm()._lm_head_argmax_partial_kernel),
-    "paged_attention_triton": paged_attention_triton,
-    "forced_paged_attention": forced_paged_attention,
-    "write_kv_triton": write_kv_triton,
+    "paged_attention_triton_on_views": paged_attention_triton_on_views,
+    "forced_paged_attention_on_views": forced_paged_attention_on_views,
+    "write_kv_triton_on_views": write_kv_triton_on_views,
     "paged_kernels_are_interpreted": lambda: _interpreted(
         _pa()._write_kv_kernel, _pa()._paged_attention_partial_kernel
     ),

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,7 +94,15 @@ def locked(out: Path, shared: bool = False) -> Iterator[None]:
         yield
         return
     with f:
-        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        try:
+            fcntl.flock(f, mode | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process holds it: say why this one stops here
+            print(
+                f"vllm-selfspec: waiting for {out} (another process holds its lock)",
+                file=sys.stderr,
+            )
+            fcntl.flock(f, mode)
         try:
             yield
         finally:

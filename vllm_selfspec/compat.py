@@ -301,6 +301,122 @@ def warm_up_context(vllm_config, num_tokens: int):
     return set_forward_context(None, vllm_config, num_tokens=num_tokens)
 
 
+#: who runs the draft forwards' attention (engine/draft_attention.py): "backend" (vLLM's
+#: attention through the drafter's own metadata builders), "paged" (the drafter's paged-attention
+#: kernel; its PyTorch reference off CUDA) or "auto" (the default: "paged" on CUDA where every
+#: attention layer allows it, else "backend")
+DRAFT_ATTENTION_ENV = "VLLM_SELFSPEC_DRAFT_ATTENTION"
+DRAFT_ATTENTION_MODES = ("auto", "backend", "paged")
+
+
+def draft_attention_mode() -> str:
+    """``DRAFT_ATTENTION_ENV``'s value, checked."""
+    value = os.environ.get(DRAFT_ATTENTION_ENV) or "auto"
+    if value not in DRAFT_ATTENTION_MODES:
+        raise ValueError(
+            f"{DRAFT_ATTENTION_ENV} must be one of {', '.join(DRAFT_ATTENTION_MODES)}; got {value!r}"
+        )
+    return value
+
+
+#: vLLM attention backends whose per-layer cache is the logical view [num_blocks, num_kv_heads,
+#: block_size, 2 * head_size], key then value on the last axis (flash_attn.py:1252,
+#: flashinfer.py:2661), readable by the paged kernel as two strided views
+_KV_SPLIT_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+#: the CPU backend's kernels (cpu_attn.py) that keep each (block, head)'s keys transposed
+#: ([head_size, block_size]) and its values plain ([block_size, head_size])
+_CPU_PLAIN_ISAS = ("vec", "vec16")
+
+
+def paged_kv_views(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key_cache, value_cache)`` of a vLLM attention layer (``self_attn.attn``, its cache
+    bound), each ``[num_blocks, num_kv_heads, block_size, head_size]`` with the strides of vLLM's
+    layout, for the paged kernel (engine/draft_attention.py). Raises ``NotImplementedError``
+    naming what it cannot read: another backend or CPU kernel, a quantised cache, sliding
+    windows, ALiBi, soft-capping, sinks."""
+    backend = attn.attn_backend.get_name()
+    impl = attn.impl
+    unsupported = [
+        what
+        for what, present in (
+            (f"a {attn.kv_cache_dtype} KV cache", attn.kv_cache_dtype != "auto"),
+            ("a sliding window", getattr(attn, "sliding_window", None) is not None),
+            ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+            ("attention soft-capping", bool(getattr(impl, "logits_soft_cap", None))),
+            ("attention sinks", getattr(attn, "has_sink", False)),
+        )
+        if present
+    ]
+    if unsupported:
+        raise NotImplementedError(f"layer {attn.layer_name} has {', '.join(unsupported)}")
+    kv = attn.kv_cache
+    if kv.dim() != 4:
+        raise NotImplementedError(f"{backend} cache of shape {tuple(kv.shape)}")
+    head_size = attn.head_size
+    if backend in _KV_SPLIT_BACKENDS:
+        return kv[..., :head_size], kv[..., head_size:]
+    if backend == "CPU_ATTN":
+        isa = getattr(attn, "isa", None)
+        if isa not in _CPU_PLAIN_ISAS:
+            raise NotImplementedError(f"the CPU attention kernel {isa!r}")
+        # as cpu_attn.py splits it: [nb, heads, 2 * bs, hd], keys in the first half
+        nb, heads, bs, _ = kv.shape
+        key_half, value_cache = kv.view(nb, heads, 2 * bs, head_size).chunk(2, dim=2)
+        key_cache = key_half.as_strided(
+            (nb, heads, bs, head_size),
+            (key_half.stride(0), key_half.stride(1), 1, bs),
+            key_half.storage_offset(),
+        )
+        return key_cache, value_cache
+    raise NotImplementedError(f"the {backend} attention backend")
+
+
+def is_llama_attention(self_attn) -> bool:
+    """Whether a decoder layer's attention module runs vLLM's ``LlamaAttention.forward``
+    (qkv projection, rotary, attention, output projection: what LlamaLayout decomposes)."""
+    from vllm.model_executor.models.llama import LlamaAttention
+
+    return type(self_attn).forward is LlamaAttention.forward
+
+
+def encode_layer_name(name: str):
+    """A layer name as vLLM's attention ops take it (``LayerName``, opaque to torch.compile,
+    so one compiled graph serves every layer)."""
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    return _encode_layer_name(name)
+
+
+def resolve_layer_name(name) -> str:
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    return _resolve_layer_name(name)
+
+
+_OPS_LIBRARY = None
+
+
+def register_layer_op(name: str, fn, mutates_args: list[str]) -> None:
+    """Register ``fn`` as ``torch.ops.vllm_selfspec.<name>`` (once per process), the way vLLM
+    registers its attention op: a parameter ``layer_name`` takes vLLM's ``LayerNameType``."""
+    global _OPS_LIBRARY
+    from torch.library import Library
+    from vllm.utils.torch_utils import LayerNameType, direct_register_custom_op
+
+    if _OPS_LIBRARY is None:
+        _OPS_LIBRARY = Library("vllm_selfspec", "FRAGMENT")
+    if hasattr(torch.ops.vllm_selfspec, name):
+        return
+    fn.__annotations__["layer_name"] = LayerNameType
+
+    def fake(*args, **kwargs) -> None:  # writes only into its mutated arguments
+        return None
+
+    direct_register_custom_op(
+        name, fn, mutates_args=mutates_args, fake_impl=fake, target_lib=_OPS_LIBRARY
+    )
+
+
 def base_worker_class():
     """The platform's V1 worker class (CPU or CUDA), chosen at import time."""
     from vllm.platforms import current_platform

@@ -197,6 +197,11 @@ def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
         raise SelfSpecConfigError("selfspec does not support pipeline parallelism")
     if vllm_config.kv_transfer_config is not None:
         raise SelfSpecConfigError("selfspec cannot run with a KV connector")
+    try:  # the workers read these; a bad value fails here, before serving
+        compat.draft_attention_mode()
+        compat.compiles_drafts(vllm_config)
+    except ValueError as e:
+        raise SelfSpecConfigError(str(e)) from e
     cfg = cfg.resolved(vllm_config.model_config.model)
     cfg.validate_for_model(compat.model_info(vllm_config))
     if (

@@ -163,6 +163,27 @@ def test_drafter_kinds_compiled(passthrough, tiny_vanilla, kind, tmp_path):
     assert stats["accepted_tokens"] > 0, f"{kind}: no draft accepted, parity proved nothing"
 
 
+def test_paged_draft_attention_compiled(passthrough, tiny_vanilla, monkeypatch):
+    """The drafter's paged attention inside the compiled layer functions: an opaque op (as
+    vLLM's attention), one graph for every layer, the kernel run by every draft forward."""
+    from vllm_selfspec.engine import draft_attention
+
+    calls = {"n": 0}
+    kernel = draft_attention.paged_attention
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(draft_attention, "paged_attention", counted)
+    monkeypatch.setenv(compat.DRAFT_ATTENTION_ENV, "paged")
+    spec = {**DRAFTER_KINDS["plan"], "num_speculative_tokens": 3, "draft_vocab_size": None}
+    got, stats = _tiny_run(passthrough, spec)
+    assert got == tiny_vanilla, "paged draft attention, compiled: tokens differ"
+    assert stats["drafted_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+    assert calls["n"] > 0, "the compiled draft forwards never ran the paged kernel"
+
+
 # ---- sampling keeps the target distribution ------------------------------------------------------
 def test_gemma_capture_compiled(tmp_path):
     """Gemma 3 with DEL: vLLM's Gemma has no EAGLE-3 hook, so capturing hidden states replaces

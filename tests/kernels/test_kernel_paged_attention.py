@@ -24,60 +24,12 @@ import pytest
 import torch
 from vllm_selfspec.kernels import paged_attention as pa
 
-from kernels_testing import KERNEL_CALLS, RUNNERS, _forced, kernel_runner
+from kernels_testing import RUNNERS, kernel_runner, view_specs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 F16_TOL = dict(rtol=1e-3, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------------------------
-# Kernel calls over cache views. The kernels take two views (key_cache, value_cache) of one cache
-# buffer; a runner moves each tensor argument with its own copy of its storage (pickling for the
-# interpreter process, ``_moved`` for the GPU), so two views sent separately would no longer share
-# one buffer. These calls get the buffer once, with each view's (shape, stride, storage offset), and
-# rebuild the views on it where the kernels run; they return the buffer as written. Registered in
-# ``kernels_testing.KERNEL_CALLS`` here (the GPU runner calls them in this process) and, through
-# importing this module, in the interpreter worker.
-# ------------------------------------------------------------------------------------------------
-
-
-def view_specs(*views: torch.Tensor) -> tuple:
-    """Each view's (shape, stride, storage offset), to rebuild it on its buffer: ``on_views``."""
-    return tuple((tuple(v.shape), v.stride(), v.storage_offset()) for v in views)
-
-
-def on_views(buffer: torch.Tensor, specs) -> list[torch.Tensor]:
-    return [buffer.as_strided(shape, stride, offset) for shape, stride, offset in specs]
-
-
-def paged_attention_triton_on_views(query, key, value, buffer, specs, **kwargs):
-    """``paged_attention_triton`` on the views ``specs`` of ``buffer``; returns (output, buffer)."""
-    out = pa.paged_attention_triton(query, key, value, *on_views(buffer, specs), **kwargs)
-    return out, buffer
-
-
-def forced_paged_attention_on_views(query, key, value, buffer, specs, **kwargs):
-    """``paged_attention`` with VLLM_SELFSPEC_FORCE_TRITON=1 on the views ``specs`` of ``buffer``;
-    returns (output, buffer, launches per kernel)."""
-    names = ["_write_kv_kernel", "_paged_attention_partial_kernel"]
-    caches = on_views(buffer, specs)
-    out, launches = _forced(pa, names, pa.paged_attention, query, key, value, *caches, **kwargs)
-    return out, buffer, launches
-
-
-def write_kv_triton_on_views(key, value, buffer, specs, slot_mapping):
-    """``write_kv_triton`` on the views ``specs`` of ``buffer``; returns the buffer."""
-    pa.write_kv_triton(key, value, *on_views(buffer, specs), slot_mapping)
-    return buffer
-
-
-KERNEL_CALLS.update(
-    paged_attention_triton_on_views=paged_attention_triton_on_views,
-    forced_paged_attention_on_views=forced_paged_attention_on_views,
-    write_kv_triton_on_views=write_kv_triton_on_views,
-)
 
 
 def split_specs(kv_cache: torch.Tensor) -> tuple:

@@ -22,12 +22,8 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET") != "1":
     sys.exit("start this worker with TRITON_INTERPRET=1 in its environment")
 
-# the calls the tests may make live beside the tests' helpers, one folder up, except the
-# paged-attention tests' calls over cache views, which their test module (beside this script)
-# adds to KERNEL_CALLS when imported
+# the calls the tests may make live beside the tests' helpers, one folder up
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import test_kernel_paged_attention  # noqa: E402, F401
-
 from kernels_testing import KERNEL_CALLS  # noqa: E402
 
 

@@ -558,3 +558,81 @@ def test_gated_precision_and_coverage_by_confidence():
         "precision": 1.0,
         "kept_agreement": 0.5,
     }
+
+
+class _RunsCode:
+    """Unpickled by a full ``torch.load``, it runs ``touch <path>``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_checkpoint_that_runs_code_is_refused_unrun(tmp_path, model, data):
+    """A resume checkpoint in a shared cache that someone else can write: loading it must not
+    run what it holds (``weights_only``), and the error names the file."""
+    train, _ = data
+    cfg = TrainConfig(kind="cascade", layers=LAYERS, steps=2, batch_size=32, checkpoint_every=1)
+    ran = tmp_path / "the-checkpoint-ran-code"
+    state = tmp_path / "state.pt"
+    torch.save({"step": 1, "payload": _RunsCode(ran)}, state)
+    heads = {l: make_head("cascade", 64) for l in LAYERS}
+    with pytest.raises(RuntimeError, match="refusing to resume from .*state.pt"):
+        fit_transforms(heads, Readout(model), train, cfg, state, progress=False)
+    assert not ran.exists(), "the checkpoint's code ran"
+    torch.load(state, weights_only=False)  # the planted payload does run when loaded fully
+    assert ran.exists()
+
+
+def test_two_concurrent_train_heads_runs_of_one_output(tmp_path):
+    """Two ``train-heads`` processes of the same output and data cache at once, with different
+    settings: the run's work dir (its checkpoints) is taken under a lock, so the second waits
+    rather than find the first's checkpoint, take it for another run's and delete it under the
+    first; both succeed, and what is left is one whole, loadable set of heads (the later run's),
+    one data cache and no work or temporary directory."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_selfspec.heads import load_heads
+
+    model_dir = save_tiny(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"def f{i}(x):\n    return x * {i} + "}) + "\n" for i in range(40)
+        )
+    )
+    out = tmp_path / "heads"
+    args = ["train-heads", "--kind", "cascade", "--model", str(model_dir), "--out", str(out)]
+    args += ["--layers", "1,3", "--sources", str(prompts), "--max-new-tokens", "8"]
+    args += ["--batch-size", "32", "--est-steps", "5"]
+    env = {**os.environ, "VLLM_SELFSPEC_HOME": str(tmp_path / "home")}
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "vllm_selfspec.cli", *args, "--steps", steps],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for steps in ("300", "301")  # long enough to overlap
+    ]
+    logs = [r.communicate(timeout=600)[0] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], logs
+    waited = [
+        log for log in logs if f"waiting for {out.parent / ('.' + out.name + '.work')}" in log
+    ]
+    assert len(waited) == 1, "the runs did not take turns in the work dir"
+    heads = load_heads(out, expect=None)  # checks the weights against their content hash
+    assert sorted(heads.heads) == [1, 3]
+    assert heads.metadata["config"]["steps"] in (300, 301)
+    assert len(list((tmp_path / "home" / "heads" / "data").iterdir())) == 1
+    leftovers = [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".") and "lock" not in p.name
+    ]
+    assert leftovers == [], leftovers

@@ -165,7 +165,7 @@ def test_compiled_layer_functions_serve_every_layer(vllm_config):
         h, res = torch.randn(n, D), torch.zeros(n, D)
         want_h, want_res = h, None
         for layer in layers:
-            h, res = exe.whole_layer(layer, pos, h, res)
+            h, res = exe.whole_layer(lay, layer, pos, h, res)
             want_h, want_res = layer(pos, want_h, want_res)
             torch.testing.assert_close(h, want_h)
             torch.testing.assert_close(res, want_res)

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 from .. import compat
+from . import draft_attention
+from .draft_attention import DraftAttention
 from .kv_groups import KVGroups
 
 #: the token ``DraftContext.pick`` returns for a row with no valid draft: its round ends there
@@ -152,6 +154,8 @@ class DraftContext:
         self.generator.manual_seed(vllm_config.model_config.seed or 0)
         self._set_forward_context, self._CommonAttentionMetadata, _ = compat.runner_internals()
         self._kv: KVGroups | None = None  # built on first use (after vLLM's KV-cache init)
+        #: whether draft attention runs the paged kernel (``bind_attention``), not vLLM's backend
+        self.paged = False
 
     # ---- attention over the target's paged KV cache --------------------------------------------
     def kv_groups(self) -> KVGroups:
@@ -161,6 +165,60 @@ class DraftContext:
                 self.runner, self.vllm_config, self.executor.layout.attn_layer_names
             )
         return self._kv
+
+    def bind_attention(self, mode: str) -> str | None:
+        """Choose who runs draft attention (``compat.DRAFT_ATTENTION_ENV``; ``mode``: its value),
+        once vLLM allocated the KV cache. Returns why the paged kernel is not used (None: it
+        is). ``"paged"`` the kernel cannot serve raises ``NotImplementedError``."""
+        if mode == "backend":
+            return "the backend was chosen"
+        if mode == "auto" and self.runner.device.type != "cuda":
+            return "not on CUDA"
+        try:
+            draft_attention.bind_layers(self.executor.layout, self.kv_groups())
+        except NotImplementedError as e:
+            if mode == "paged":
+                raise NotImplementedError(
+                    f"selfspec: {compat.DRAFT_ATTENTION_ENV}=paged, but the paged kernel "
+                    f"cannot serve this model: {e}"
+                ) from e
+            return str(e)
+        self.paged = self.executor.paged = True
+        return None
+
+    def paged_rows(self, tables, slots, positions, req_indices, max_context: int):
+        """``DraftAttention`` of rows for the paged kernel (``draft_attention.PagedRows``)."""
+        rows = draft_attention.PagedRows(tables, slots, positions, req_indices, max_context)
+        return DraftAttention.paged(rows, lambda n: compat.warm_up_context(self.vllm_config, n))
+
+    def rows_attention(
+        self,
+        tables: list[torch.Tensor],
+        q_lens: list[int],
+        seq_lens: torch.Tensor,
+        slots: list[torch.Tensor],
+        positions: torch.Tensor,
+        draft_index: int = 0,
+    ) -> DraftAttention:
+        """The attention of rows grouped by request (``q_lens`` consecutive rows each, the last at
+        position ``seq_lens - 1``) that write their KV at ``slots``; ``tables`` and ``slots``:
+        one per KV-cache group (``kv_groups.KVGroups``)."""
+        if self.paged:
+            dev = positions.device
+            req = torch.repeat_interleave(
+                torch.arange(len(q_lens), device=dev), torch.tensor(q_lens, device=dev)
+            )
+            return self.paged_rows(tables, slots, positions, req, int(seq_lens.max()))
+        md, slot_map = self.rows_metadata(tables, q_lens, seq_lens, slots, positions, draft_index)
+        return DraftAttention.backend(self.forward_context, md, int(sum(q_lens)), slot_map)
+
+    def step_attention(self, tables: list[torch.Tensor], pos: torch.Tensor, step: int):
+        """The attention of one draft step of a round: one row per request at ``pos``, each
+        writing its KV there."""
+        slots = self.kv_groups().slots(tables, pos)
+        return self.rows_attention(
+            tables, [1] * pos.shape[0], pos.cpu() + 1, slots, pos, draft_index=step
+        )
 
     def forward_context(self, metadata, num_tokens: int, slot_mapping: dict):
         """vLLM's forward context for a partial forward of ``num_tokens`` rows: attention reads
@@ -204,14 +262,6 @@ class DraftContext:
             positions=positions,
         )
         return self.kv_groups().metadata(cm, tables, slots, draft_index=draft_index)
-
-    def step_metadata(self, tables: list[torch.Tensor], pos: torch.Tensor, step: int):
-        """Attention metadata (one query per request at ``pos``) for every attention layer, and
-        its slot-mapping dict: one draft step of a round."""
-        slots = self.kv_groups().slots(tables, pos)
-        return self.rows_metadata(
-            tables, [1] * pos.shape[0], pos.cpu() + 1, slots, pos, draft_index=step
-        )
 
     # ---- draft tokens ------------------------------------------------------------------------------
     def pick(self, logits, batch_rows, temps, probs, J, step: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 
 from ..compat import linear
 from ..plans import LM_HEAD, LayerPlan
+from . import draft_attention
 from .layouts import model_layout
 
 
@@ -34,16 +35,21 @@ def _norm(norm, h: torch.Tensor, res: torch.Tensor | None):
 
 # The functions the executor compiles (regionally: one graph serves every layer). Eagerly they
 # are plain calls. ``res`` is never None in a compiled call (``PlanExecutor._stream``), so one
-# graph serves the first layer too.
-def whole_layer(layer, positions, h, res):
-    """A whole decoder layer, vLLM's own forward: ``(pending, residual)``."""
-    return layer(positions, h, res)
+# graph serves the first layer too. ``paged``: attention is the drafter's own paged kernel
+# (engine/draft_attention.py), a constant of the graph.
+def whole_layer(lay, layer, positions, h, res, paged=False):
+    """A whole decoder layer: vLLM's own forward, ``(pending, residual)``; paged, its two
+    sub-layers (the same operations)."""
+    if not paged:
+        return layer(positions, h, res)
+    h, res = attn_sublayer(lay, layer, positions, h, res, True)
+    return mlp_sublayer(lay, layer, h, res)
 
 
-def attn_sublayer(lay, layer, positions, h, res):
+def attn_sublayer(lay, layer, positions, h, res, paged=False):
     """The attention sub-layer of ``layer`` alone (the MLP's pending delta is left for later)."""
     x, res = _norm(lay.attn_norm(layer), h, res)
-    return lay.attn(layer, positions, x), res
+    return lay.attn(layer, positions, x, paged), res
 
 
 def mlp_sublayer(lay, layer, h, res):
@@ -59,6 +65,9 @@ class PlanExecutor:
         #: whether draft forwards run compiled (``compile_options``: Inductor's options; None:
         #: eager), and the three layer functions they run through
         self.compiled = compile_options is not None
+        #: whether draft forwards may run the paged attention kernel (``engine/draft_attention``;
+        #: set once its cache views are bound): the layer functions are compiled for it too
+        self.paged = False
         self.whole_layer, self.attn_sublayer, self.mlp_sublayer = (
             (whole_layer, attn_sublayer, mlp_sublayer)
             if compile_options is None
@@ -92,7 +101,13 @@ class PlanExecutor:
     def set_capture_layers(self, layers: tuple[int, ...]) -> None:
         """The target forward also returns the residual stream after ``layers`` (the family's
         hook; where the family has none, its forward runs through ``whole_layer``)."""
-        self.layout.set_capture_layers(layers, self.whole_layer if self.compiled else None)
+        run = None
+        if self.compiled:  # the target's forward: vLLM's attention, under the runner's metadata
+
+            def run(layer, positions, h, res):
+                return self.whole_layer(self.layout, layer, positions, h, res)
+
+        self.layout.set_capture_layers(layers, run)
 
     def _stream(self, h: torch.Tensor) -> torch.Tensor | None:
         """The residual stream entering the first layer: None (vLLM's own first-layer form)
@@ -112,10 +127,12 @@ class PlanExecutor:
             pos = torch.zeros(n, dtype=torch.long, device=device)
             with context(n):
                 # every layer: a family whose layers differ (Gemma's sliding and global ones)
-                # compiles each kind here; the others only pass the graphs' guards
+                # compiles each kind here; the others only pass the graphs' guards. Paged:
+                # vLLM's attention too (AdaDecode finishes rounds in the target's forward)
                 for layer in lay.layers:
-                    self.whole_layer(layer, pos, h, h.clone())
-                    self.attn_sublayer(lay, layer, pos, h, h.clone())
+                    for paged in (False, True) if self.paged else (False,):
+                        self.whole_layer(lay, layer, pos, h, h.clone(), paged)
+                        self.attn_sublayer(lay, layer, pos, h, h.clone(), paged)
                     self.mlp_sublayer(lay, layer, h, h.clone())
 
     def run_layers(
@@ -129,14 +146,15 @@ class PlanExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The plan's sub-layers of layers ``start .. end-1`` on ``(pending, residual)``."""
         lay = self.layout
+        paged = draft_attention.active()
         for i in range(start, end):
             layer = lay.layers[i]
             run_attn, run_mlp = plan.attn[i], plan.mlp[i]
             if run_attn and run_mlp:
-                h, res = self.whole_layer(layer, positions, h, res)
+                h, res = self.whole_layer(lay, layer, positions, h, res, paged)
                 continue
             if run_attn:
-                h, res = self.attn_sublayer(lay, layer, positions, h, res)
+                h, res = self.attn_sublayer(lay, layer, positions, h, res, paged)
             if run_mlp:
                 h, res = self.mlp_sublayer(lay, layer, h, res)
         return h, res
@@ -166,7 +184,9 @@ class PlanExecutor:
             attn = [r for r, p in enumerate(plans) if p.exit_layer > i and p.attn[i]]
             mlp = [r for r, p in enumerate(plans) if p.exit_layer > i and p.mlp[i]]
             if attn == mlp == everyone:  # the whole layer on every row: vLLM's own forward
-                h, res = self.whole_layer(layer, positions, h, res)
+                h, res = self.whole_layer(
+                    self.layout, layer, positions, h, res, draft_attention.active()
+                )
             else:
                 for rows, is_attn in ((attn, True), (mlp, False)):
                     if rows:
@@ -185,7 +205,9 @@ class PlanExecutor:
         idx = torch.tensor(rows, device=h.device)
         if attn:
             with context(rows):
-                x, r = self.attn_sublayer(lay, layer, positions[idx], h[idx], res[idx])
+                x, r = self.attn_sublayer(
+                    lay, layer, positions[idx], h[idx], res[idx], draft_attention.active()
+                )
         else:
             x, r = self.mlp_sublayer(lay, layer, h[idx], res[idx])
         h, res = h.clone(), res.clone()

@@ -46,6 +46,8 @@ from .. import compat
 from ..cachedir import write_json
 from ..checkpoints import home
 from ..policies.knapspec_knapsack import LatencyModel
+from . import draft_attention
+from .draft_attention import DraftAttention
 
 logger = logging.getLogger(compat.LOGGER_NAME)
 
@@ -73,17 +75,17 @@ class KnapsackForward:
         first = int(positions[0])
         if positions.numel() != r or int(positions[-1]) != first + r - 1:
             raise ValueError("knapsack rows must sit at consecutive positions")
-        md, pos = self._metadata(B, first, r, x.device)
-        with self.ctx.forward_context(md, B * r, {}):  # no layer: no KV write
-            h = lay.attn(layer, pos, lay.attn_norm(layer)(x))
+        attention, pos = self._attention(B, first, r, x.device)
+        with attention.context():  # no KV write
+            h = lay.attn(layer, pos, lay.attn_norm(layer)(x), draft_attention.active())
         return (x + h).view(B, r, d)
 
-    def _metadata(self, B: int, first: int, r: int, dev):
+    def _attention(self, B: int, first: int, r: int, dev):
         return self.ctx.kv_groups().latest(
             self._md,
             (B, first, r),
             lambda: (
-                read_only_metadata(self.ctx, self.rows, B, first, r),
+                read_only_attention(self.ctx, self.rows, B, first, r),
                 torch.arange(first, first + r, device=dev).repeat(B),
             ),
         )
@@ -99,10 +101,26 @@ class KnapsackForward:
         return lay.compute_logits(lay.norm(states)).argmax(-1).cpu()
 
 
+def read_only_attention(ctx, rows: list[torch.Tensor], B: int, first: int, r: int):
+    """The attention (``draft_attention.DraftAttention``) of B copies of one request's r rows
+    at positions first .. first+r-1, reading its KV cache up to there (``rows``: its
+    block-table row in each KV-cache group) and writing nothing."""
+    if ctx.paged:
+        dev = rows[0].device
+        none = torch.full((B * r,), -1, dtype=torch.int64, device=dev)  # no KV write
+        return ctx.paged_rows(
+            [row.unsqueeze(0) for row in rows],
+            [none] * len(rows),
+            torch.arange(first, first + r, device=dev).repeat(B),
+            torch.zeros(B * r, dtype=torch.long, device=dev),  # every row reads the request's
+            first + r,
+        )
+    md = read_only_metadata(ctx, rows, B, first, r)
+    return DraftAttention.backend(ctx.forward_context, md, B * r, {})
+
+
 def read_only_metadata(ctx, rows: list[torch.Tensor], B: int, first: int, r: int) -> dict:
-    """Attention metadata (every attention layer) for B copies of one request's r rows at
-    positions first .. first+r-1, reading its KV cache up to there (``rows``: its block-table
-    row in each KV-cache group) and writing nothing."""
+    """vLLM's attention metadata of ``read_only_attention``'s rows, for every attention layer."""
     dev = rows[0].device
     qsl = torch.arange(B + 1, dtype=torch.int32) * r
     seq = torch.full((B,), first + r, dtype=torch.int32)
@@ -186,13 +204,13 @@ def measure_latency(ctx, device: torch.device) -> LatencyModel:
     for n in contexts:
         # any blocks will do for timing: they are only read (block 0, vLLM's null block, too)
         row = torch.arange((n + block_size - 1) // block_size, dtype=torch.int32, device=device)
-        md = read_only_metadata(ctx, [row] * len(ctx.kv_groups().groups), 1, n - 1, 1)
+        attention = read_only_attention(ctx, [row] * len(ctx.kv_groups().groups), 1, n - 1, 1)
         pos = torch.tensor([n - 1], device=device)
 
         def run_attn():
-            with ctx.forward_context(md, 1, {}):
+            with attention.context():
                 for layer in layers:
-                    lay.attn(layer, pos, lay.attn_norm(layer)(x))
+                    lay.attn(layer, pos, lay.attn_norm(layer)(x), ctx.paged)
 
         attn.append((n, _median_seconds(run_attn, sync) / len(layers)))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat
+from . import draft_attention
 
 
 def model_layout(model) -> LlamaLayout:
@@ -81,9 +82,26 @@ class LlamaLayout:
         """The norm in front of attention (fused add + norm with a residual)."""
         return layer.input_layernorm
 
-    def attn(self, layer, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Attention's contribution to the residual stream, from its normed input."""
-        return layer.self_attn(positions=positions, hidden_states=x)
+    def attn(self, layer, positions: torch.Tensor, x: torch.Tensor, paged: bool = False):
+        """Attention's contribution to the residual stream, from its normed input. ``paged``:
+        the drafter's own paged attention (engine/draft_attention.py) in place of vLLM's, in
+        ``LlamaAttention.forward``'s steps (``check_paged_attention``)."""
+        sa = layer.self_attn
+        if not paged:
+            return sa(positions=positions, hidden_states=x)
+        qkv, _ = sa.qkv_proj(x)
+        q, k, v = qkv.split([sa.q_size, sa.kv_size, sa.kv_size], dim=-1)
+        q, k = sa.rotary_emb(positions, q, k)
+        out, _ = sa.o_proj(draft_attention.attend(q, k, v, sa.attn.layer_name))
+        return out
+
+    def check_paged_attention(self, layer) -> None:
+        """Raises ``NotImplementedError`` unless ``attn(..., paged=True)`` runs this layer's
+        attention as its own forward does."""
+        if not compat.is_llama_attention(layer.self_attn):
+            raise NotImplementedError(
+                f"{type(layer.self_attn).__name__} is not vLLM's LlamaAttention"
+            )
 
     def mlp_norm(self, layer):
         """The norm in front of the MLP."""
@@ -136,8 +154,15 @@ class GemmaLayout(LlamaLayout):
         "post_feedforward_layernorm",
     )
 
-    def attn(self, layer, positions, x):
+    def attn(self, layer, positions, x, paged: bool = False):
+        if paged:
+            self.check_paged_attention(layer)
         return layer.post_attention_layernorm(layer.self_attn(positions=positions, hidden_states=x))
+
+    def check_paged_attention(self, layer) -> None:
+        raise NotImplementedError(
+            "Gemma's attention (q/k norms, sliding windows) is not decomposed"
+        )
 
     def mlp_norm(self, layer):
         return layer.pre_feedforward_layernorm

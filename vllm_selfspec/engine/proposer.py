@@ -223,6 +223,12 @@ class SelfSpecProposer:
         self.ctx = DraftContext(self, self.runner, self.executor, self.shadow)
         self.drafter = DRAFTERS[self.policy.drafter](self.ctx)
 
+    def bind_attention(self) -> str:
+        """Choose who runs draft attention, once the KV cache exists (before ``warm_up``, which
+        compiles for it): a line for the log."""
+        why = self.ctx.bind_attention(compat.draft_attention_mode())
+        return "the paged kernel" if why is None else f"vLLM's attention backend ({why})"
+
     def warm_up(self) -> float:
         """Compiles the draft forwards before serving (nothing eagerly); returns the seconds."""
         t0 = time.perf_counter()

@@ -236,6 +236,7 @@ class SelfSpecWorker(_BaseWorker):
         out = super().compile_or_warm_up_model(*args, **kwargs)
         drafter = getattr(self.model_runner, "drafter", None)
         if isinstance(drafter, SelfSpecProposer):
+            logger.info("vllm-selfspec draft attention: %s", drafter.bind_attention())
             if drafter.executor.compiled:
                 logger.info(
                     "vllm-selfspec compiled its draft forwards in %.1f s", drafter.warm_up()

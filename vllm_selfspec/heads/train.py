@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 import time
 from collections.abc import Callable
@@ -144,7 +145,13 @@ def fit_transforms(
     history: dict[str, list[float]] = {str(l): [] for l in heads}
     step, seconds = 0, 0.0
     if state_path is not None and state_path.is_file():
-        state = torch.load(state_path, weights_only=True)  # a checkpoint runs no code
+        try:  # tensors and plain containers only: a checkpoint runs no code
+            state = torch.load(state_path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise RuntimeError(
+                f"refusing to resume from {state_path}: it holds more than tensors and plain "
+                f"values ({str(e).splitlines()[0]}); delete it to train from the start"
+            ) from e
         for l, h in heads.items():
             h.load_state_dict(state["heads"][l])
         opt.load_state_dict(state["optimizer"])

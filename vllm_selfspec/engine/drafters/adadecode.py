@@ -108,23 +108,23 @@ class _DraftBackend:
             seq = torch.tensor(
                 [int(self.pos0[r]) + len(self.rounds[r].tokens) for r in reqs], dtype=torch.int32
             )
-            md = self.ctx.rows_metadata(
+            attention = self.ctx.rows_attention(
                 [t[torch.tensor(reqs, device=t.device)] for t in self.tables],
                 list(per_req.values()),
                 seq,
                 list(self.slots[:, idx]),
                 self.pos[idx],
             )
-            return idx, md
+            return idx, attention
 
-        idx, (md, slot_map) = self.ctx.kv_groups().latest(self._md, tuple(rows), build)
+        idx, attention = self.ctx.kv_groups().latest(self._md, tuple(rows), build)
         if start == 0:  # rows entering the model: embeddings, no residual yet
             toks = torch.tensor([self.rounds[r].tokens[i] for r, i in rows], device=idx.device)
             h, res = self.exe.layout.embed(toks), None
         else:
             h, res = self.h[idx], self.res[idx]
         t0 = time.perf_counter()
-        with self.ctx.forward_context(md, len(rows), slot_map):
+        with attention.context():
             h, res = self.exe.run_layers(self.plan, h, res, self.pos[idx], start, stop)
         self.h[idx], self.res[idx] = h, res
         st = self.ctx.stats
@@ -275,10 +275,10 @@ class DeferredEngine(Drafter):
             reqs, counts = np.unique(req_of_row[rows], return_counts=True)
             seq = positions[torch.from_numpy(qsl[reqs + 1] - 1).to(positions.device)] + 1
             tables = kv.tables(ib, torch.from_numpy(reqs))
-            md, slot_map = self.ctx.rows_metadata(
+            attention = self.ctx.rows_attention(
                 tables, counts.tolist(), seq, list(slot_all[:, idx]), positions[idx]
             )
-            with self.ctx.forward_context(md, len(rows), slot_map):
+            with attention.context():
                 hh, rr = exe.run_layers(
                     plan, h[idx], None if start == 0 else res[idx], positions[idx], start, stop
                 )

@@ -99,8 +99,7 @@ class CascadeDrafter(Drafter):
             pos = (pos0[J] + step).to(dev)
             t0 = time.perf_counter()
             step_tables = [t[rows_t[J].to(t.device)] for t in tables]
-            md, slot_map = ctx.step_metadata(step_tables, pos, step)
-            with ctx.forward_context(md, len(alive), slot_map):
+            with ctx.step_attention(step_tables, pos, step).context():
                 logits, chosen, depth = ctx.executor.run_cascade(
                     plans[alive[0]], cascade, tok[J].to(dev), pos, torch.tensor(caps)
                 )

@@ -50,8 +50,7 @@ class PlanDrafter(Drafter):
                 depth = max(p.layer_cost for p in step_plans)
             else:
                 plan = step_plans[0]
-                md, slot_map = ctx.step_metadata(step_tables, pos, step)
-                with ctx.forward_context(md, len(alive), slot_map):
+                with ctx.step_attention(step_tables, pos, step).context():
                     h, res = ctx.executor.run(plan, tok[J].to(dev), pos)
                 logits = ctx.executor.logits(plan, h, res)
                 depth = plan.layer_cost
@@ -76,17 +75,16 @@ class PlanDrafter(Drafter):
         ctx.count_rounds(drafts, rows, plans)
 
     def _run_mixed(self, plans, tables, tokens, pos, step: int):
-        """``PlanExecutor.run_mixed`` with attention metadata per row subset (built again when
-        another subset's was built in between: ``KVGroups.latest``)."""
+        """``PlanExecutor.run_mixed`` with the attention of each row subset (its metadata built
+        again when another subset's was built in between: ``KVGroups.latest``)."""
         ctx = self.ctx
         built: dict[tuple[int, ...], tuple] = {}
 
         def context(rows: list[int]):
             def build():
                 idx = torch.tensor(rows, device=pos.device)
-                return ctx.step_metadata([t[idx] for t in tables], pos[idx], step)
+                return ctx.step_attention([t[idx] for t in tables], pos[idx], step)
 
-            md, slot_map = ctx.kv_groups().latest(built, tuple(rows), build)
-            return ctx.forward_context(md, len(rows), slot_map)
+            return ctx.kv_groups().latest(built, tuple(rows), build).context()
 
         return torch.stack(ctx.executor.run_mixed(plans, tokens, pos, context))
