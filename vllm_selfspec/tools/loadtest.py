@@ -109,6 +109,7 @@ class LoadResult:
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
     duration_s: float = 0.0
+    scrapes: int = 0  # /metrics scrapes answered (``run_load(scrapers=...)``)
 
     def summary(self) -> dict[str, Any]:
         rss = [b for _, b in self.rss]
@@ -123,6 +124,7 @@ class LoadResult:
             "greedy_mismatches": len(self.mismatches),
             "duration_s": round(self.duration_s, 1),
             "tokens_per_s": round(self.tokens / self.duration_s, 1) if self.duration_s else 0,
+            "metrics_scrapes": self.scrapes,
             "rss_mib_first_half_max": round(max(rss[: len(rss) // 2] or rss or [0]) / 2**20),
             "rss_mib_second_half_max": round(max(half or [0]) / 2**20),
             "rss_slope_mib_per_min_after_20pct": self.rss_slope(0.2 * self.duration_s),
@@ -212,6 +214,22 @@ async def _client(url, model, seed, deadline, duration_s, refs, res, abort_prob)
                 res.errors.append(f"{type(e).__name__} at {t:.1f}s: {e}"[:300])
 
 
+async def _scraper(url: str, deadline: float, res: LoadResult) -> None:
+    """Scrape ``/metrics`` back to back until ``deadline`` (a Prometheus flood)."""
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(url + "/metrics") as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        res.errors.append(f"/metrics: HTTP {resp.status}")
+                        continue
+                res.scrapes += 1
+            except Exception as e:
+                res.errors.append(f"/metrics: {type(e).__name__}: {e}"[:300])
+
+
 async def _sample_rss(rss_fn: Callable[[], int], res: LoadResult, t0: float, stop) -> None:
     while not stop.is_set():
         res.rss.append((time.monotonic() - t0, rss_fn()))
@@ -230,8 +248,10 @@ async def run_load(
     abort_prob: float = 0.2,
     seed: int = 0,
     rss_fn: Callable[[], int] | None = None,
+    scrapers: int = 0,
 ) -> LoadResult:
-    """Clients start requests until ``duration_s`` is over, then finish the ones in flight."""
+    """Clients start requests until ``duration_s`` is over, then finish the ones in flight;
+    ``scrapers`` more clients scrape ``/metrics`` back to back meanwhile."""
     res = LoadResult()
     t0 = time.monotonic()
     stop = asyncio.Event()
@@ -240,7 +260,8 @@ async def run_load(
         *(
             _client(url, model, seed * 1000 + c, t0 + duration_s, duration_s, refs, res, abort_prob)
             for c in range(concurrency)
-        )
+        ),
+        *(_scraper(url, t0 + duration_s, res) for _ in range(scrapers)),
     )
     res.duration_s = time.monotonic() - t0
     stop.set()
