@@ -4,7 +4,10 @@
 
 1. Greedy parity with vanilla vLLM for every method (layerskip, del, knapspec, cascade,
    adadecode, feature, auto), each drafting its policy's own lengths (the goodput controller off,
-   so that it drafts as much as it can), at batch 1 and 8, in vLLM's default mode. A method
+   so that it drafts as much as it can), at batch 1 and 8, in vLLM's default mode; on CUDA, where
+   the draft forwards' attention is the paged kernel by default, once more at batch 8 with vLLM's
+   attention backend (``VLLM_SELFSPEC_DRAFT_ATTENTION=backend``; docs/architecture.md, "Draft
+   attention"). A method
    passes when every prompt's tokens equal vanilla's and it drafted: a method that drafted nothing
    proves nothing. Methods that draft through trained heads use the heads given (``--heads
    cascade=DIR``) or the model's cached ones; without either they are skipped, with a line in the
@@ -140,14 +143,16 @@ def common_args(model: str, sizes: Sizes, engine: dict) -> list[str]:
 
 
 def parity(model, sizes, engine, options, out: Path, cuda: bool) -> list[dict]:
-    """One row per method and batch size: parity, draft tokens, accepted tokens, pass/fail."""
+    """One row per method and batch size: parity, draft tokens, accepted tokens, pass/fail. On
+    CUDA, where the draft forwards' attention is the paged kernel by default, every method that
+    runs decoder layers also runs once with vLLM's attention backend (``<method>+backend``)."""
     env = {**sizes.env, **({"VLLM_BATCH_INVARIANT": "1"} if cuda else {})}
     configs = {
         name: {**opts, **PARITY_OPTIONS.get(name, {}), "goodput": False}
         for name, opts in options.items()
     }
-    rows: list[dict] = []
-    for batch in sizes.parity_batches:
+
+    def run(configs, batch, out, env):
         args = [
             *common_args(model, sizes, engine),
             "--methods",
@@ -165,7 +170,20 @@ def parity(model, sizes, engine, options, out: Path, cuda: bool) -> list[dict]:
             "--repeats",
             "1",
         ]
-        rows += parity_rows(run_bench(out / f"parity-bs{batch}", args, env), configs, batch)
+        return parity_rows(run_bench(out, args, env), configs, batch)
+
+    rows: list[dict] = []
+    for batch in sizes.parity_batches:
+        rows += run(configs, batch, out / f"parity-bs{batch}", env)
+    if cuda:
+        backend = {
+            f"{name}+backend": {"method": name, **opts}
+            for name, opts in configs.items()
+            if name != "feature"  # no attention in its draft steps
+        }
+        batch = sizes.parity_batches[-1]
+        env = {**env, "VLLM_SELFSPEC_DRAFT_ATTENTION": "backend"}
+        rows += run(backend, batch, out / f"parity-bs{batch}-backend", env)
     return rows
 
 

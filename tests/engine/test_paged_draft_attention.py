@@ -2,8 +2,8 @@
 paged``), on the CPU: the kernel's PyTorch reference, with the interface the Triton kernels have
 on CUDA, reading and writing vLLM's CPU cache through strided views (``compat.paged_kv_views``).
 
-For each draft forward that runs attention (whole layers to an exit, sub-layers, row subsets of
-mixed plans, KnapSpec's read-only search, AdaDecode's deferred rounds): greedy output equals
+For each draft forward that runs attention (sub-layers, whole layers and row subsets of mixed
+plans, KnapSpec's read-only search, AdaDecode's deferred rounds): greedy output equals
 vanilla vLLM's, drafts were made and accepted, every draft forward's attention was the kernel's,
 and the drafts are as good as with vLLM's own attention. The last check is what catches a misread
 cache: parity holds whatever the drafts are (the target verifies them), but attention over the
@@ -30,11 +30,6 @@ PROMPTS = [
 MAX_TOKENS = 32
 
 
-def exit_plan(monkeypatch, model_path, tmp_path) -> dict:
-    """Whole layers to an exit (each layer's two sub-layers around the kernel)."""
-    return {"method": "layerskip", "exit_layer": 28, "num_speculative_tokens": 3}
-
-
 def sub_layers(monkeypatch, model_path, tmp_path) -> dict:
     """Attention and MLP sub-layers one at a time, some skipped."""
     return {
@@ -47,7 +42,8 @@ def sub_layers(monkeypatch, model_path, tmp_path) -> dict:
 
 
 def mixed_plans(monkeypatch, model_path, tmp_path) -> dict:
-    """Three plans in one forward: attention of row subsets."""
+    """Three plans in one forward: attention of row subsets, and whole layers (each layer's
+    two sub-layers around the kernel) where every row runs both."""
     rotate_layerskip_plans(monkeypatch)
     return {"method": "layerskip", "exit_layer": 30, "num_speculative_tokens": 3}
 
@@ -91,8 +87,8 @@ def _run(model_path, spec, monkeypatch, mode: str):
 
 @pytest.mark.parametrize(
     "setup",
-    [exit_plan, sub_layers, mixed_plans, knapspec, adadecode],
-    ids=["exit", "sub-layers", "mixed-plans", "knapspec", "adadecode"],
+    [sub_layers, mixed_plans, knapspec, adadecode],
+    ids=["sub-layers", "mixed-plans", "knapspec", "adadecode"],
 )
 def test_paged_draft_attention_drafts_as_vllms_attention(
     model_path, vanilla, monkeypatch, tmp_path, setup
