@@ -21,7 +21,7 @@
 Writes ``OUT/report.md``, each run's own output beside it; exits 0 when every check passed.
 
 ``--cpu``: the same on the CPU, small (parity: 4 prompts of 32 tokens at batch 2; the bench at
-batch 1 and 2, 16 tokens, one repeat), float32, engines eager (compiling costs minutes per engine
+batch 2, 16 tokens, one repeat), float32, engines eager (compiling costs minutes per engine
 on a CPU; tests/engine/test_compiled.py covers compiled mode there), one method beside vanilla at
 a time, each engine's core in its bench process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
 compiled kernel tests skip without a GPU, as they always do.
@@ -64,7 +64,7 @@ CUDA = Sizes((1, 8), 8, 64, (1, 8, 32), 16, 128, 3, 3, eager=False, env={})
 #: two engines at once (~4.5 GB), each with its engine core in its bench process: it starts in
 #: seconds instead of half a minute
 CPU = Sizes(
-    (2,), 4, 32, (1, 2), 2, 16, 1, 1, eager=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    (2,), 4, 32, (2,), 2, 16, 1, 1, eager=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 )
 
 #: every selfspec method, and the kind of trained heads it needs
