@@ -8,9 +8,10 @@ One server, one load (``--concurrency`` streaming clients, greedy and sampled, s
 ``--scrapers`` more clients scraping ``/metrics`` back to back, ``--pairs`` times. Every scrape
 of a selfspec server asks its workers for their stats (``metrics.py``); the collector coalesces
 concurrent scrapes into one RPC and serves a snapshot of at most 2 s to the rest, so a flood
-should leave the engine's throughput as it is. Printed and written to ``--out``: tokens/s, the
-scrapes answered, errors and greedy mismatches per phase, and the flooded/quiet ratio of each
-pair (phases alternate so that drift on a shared machine falls on both alike).
+should cost a selfspec server what it costs vanilla vLLM (``--config none``), whose own metrics
+every scrape renders too. Printed and written to ``--out``: tokens/s, the scrapes answered,
+errors and greedy mismatches per phase, and the flooded/quiet ratio of each pair (phases
+alternate so that drift on a shared machine falls on both alike).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> int:
     p.add_argument(
         "--config",
         default=str(Path(__file__).parents[1] / "examples" / "selfspec-auto.json"),
-        help="selfspec config file (JSON)",
+        help="selfspec config file (JSON), or 'none' for vanilla vLLM (what a flood costs anyway)",
     )
     p.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     p.add_argument("--concurrency", type=int, default=16)
@@ -58,7 +59,8 @@ def main() -> int:
     gc.collect()
 
     server_args = [*cli_args(kw), "--served-model-name", "model"]
-    server_args += ["--speculative-config", str(Path(args.config).resolve())]
+    config = None if args.config == "none" else str(Path(args.config).resolve())
+    server_args += ["--speculative-config", config] if config else []
     phases = []
     with Server(model, server_args, log_path=Path(args.log).resolve()) as srv:
         print(f"server ready at {srv.url} (log: {args.log})")
@@ -91,7 +93,7 @@ def main() -> int:
         if phases[i]["tokens_per_s"]
     ]
     out = {
-        "config": json.loads(Path(args.config).read_text()),
+        "config": json.loads(Path(config).read_text()) if config else None,
         "concurrency": args.concurrency,
         "scrapers": args.scrapers,
         "phase_s": args.phase,
