@@ -277,14 +277,17 @@ def compiles(vllm_config) -> bool:
 COMPILE_DRAFTS_ENV = "VLLM_SELFSPEC_COMPILE_DRAFTS"
 
 
-def compiles_drafts(vllm_config) -> bool:
-    """Whether the draft forwards run compiled (``COMPILE_DRAFTS_ENV``)."""
-    if not compiles(vllm_config):
-        return False
+def compile_drafts_env() -> bool:
+    """``COMPILE_DRAFTS_ENV``'s value, checked: False for "0"."""
     value = os.environ.get(COMPILE_DRAFTS_ENV)
     if value not in (None, "", "0", "1"):
         raise ValueError(f'{COMPILE_DRAFTS_ENV} must be "0" or "1", got {value!r}')
     return value != "0"
+
+
+def compiles_drafts(vllm_config) -> bool:
+    """Whether the draft forwards run compiled (``COMPILE_DRAFTS_ENV``)."""
+    return compile_drafts_env() and compiles(vllm_config)
 
 
 def compile_options(vllm_config) -> dict:

@@ -199,7 +199,7 @@ def check_vllm_config(vllm_config, cfg: SelfSpecConfig) -> SelfSpecConfig:
         raise SelfSpecConfigError("selfspec cannot run with a KV connector")
     try:  # the workers read these; a bad value fails here, before serving
         compat.draft_attention_mode()
-        compat.compiles_drafts(vllm_config)
+        compat.compile_drafts_env()
     except ValueError as e:
         raise SelfSpecConfigError(str(e)) from e
     cfg = cfg.resolved(vllm_config.model_config.model)

@@ -96,3 +96,21 @@ def test_draft_attention_mode_is_checked(monkeypatch):
     monkeypatch.setenv(compat.DRAFT_ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match="VLLM_SELFSPEC_DRAFT_ATTENTION must be one of"):
         compat.draft_attention_mode()
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [(compat.DRAFT_ATTENTION_ENV, "flash"), (compat.COMPILE_DRAFTS_ENV, "yes")],
+)
+def test_a_bad_environment_value_fails_before_serving(monkeypatch, name, value):
+    """The workers read these variables; a bad value is a config error at start-up, not a
+    crash in a worker."""
+    from vllm_selfspec import plugin
+    from vllm_selfspec.config import SelfSpecConfig, SelfSpecConfigError
+
+    monkeypatch.setenv(name, value)
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1), kv_transfer_config=None
+    )
+    with pytest.raises(SelfSpecConfigError, match=name):
+        plugin.check_vllm_config(vllm_config, SelfSpecConfig.load({"method": "layerskip"}))
