@@ -63,9 +63,7 @@ class Sizes:
 CUDA = Sizes((1, 8), 8, 64, (1, 8, 32), 16, 128, 3, 3, eager=False, env={})
 #: two engines at once (~4.5 GB), each with its engine core in its bench process: it starts in
 #: seconds instead of half a minute
-CPU = Sizes(
-    (2,), 4, 32, (2,), 2, 16, 1, 1, eager=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-)
+CPU = Sizes((2,), 4, 32, (2,), 2, 16, 1, 1, eager=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 #: every selfspec method, and the kind of trained heads it needs
 METHODS = {

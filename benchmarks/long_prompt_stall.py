@@ -155,9 +155,7 @@ def main() -> None:
     rows = ["| engine | phase | steps | median ms | max ms |", "|---|---|---|---|---|"]
     for engine in ("vanilla", "auto"):
         for phase, r in results[engine]["phases"].items():
-            rows.append(
-                f"| {engine} | {phase} | {r['steps']} | {r['median_ms']} | {r['max_ms']} |"
-            )
+            rows.append(f"| {engine} | {phase} | {r['steps']} | {r['median_ms']} | {r['max_ms']} |")
     (out / "table.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
     print(f"auto host µs per step: {results['auto']['host_us_per_step']}")
