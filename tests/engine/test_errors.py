@@ -100,3 +100,14 @@ def test_vllm_serve_accepts_a_config_file(tmp_path):
     assert args.speculative_config == {"method": "layerskip", "exit_layer": 12}
     args = parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
     assert args.speculative_config == {"method": "ngram"}
+
+
+def test_async_scheduling_is_off_and_refused_when_asked_for(model_path):
+    """vLLM runs a ``custom_class`` drafter without async scheduling (its drafts come from the
+    step's own outputs): off by default, and asking for it is an error before serving. vLLM
+    decides this before any platform-specific check (config/vllm.py), so the CUDA path runs it
+    as the CPU does here."""
+    spec = {"method": "layerskip"}
+    assert _config(model_path, spec).scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match="async scheduling is only supported"):
+        _config(model_path, spec, async_scheduling=True)
