@@ -914,3 +914,24 @@ def test_a_shape_measured_on_a_noisy_machine_is_priced_by_its_mean_only_once_wel
     assert noisy > steady + 0.001
     many = _shape_samples([0.006, -0.006] * 40).verify_excess(8, 1)
     assert steady < many < steady + 0.0015
+
+
+def test_a_preempted_choice_does_not_make_the_next_ones_look_dear():
+    """A busy host preempts the proposer now and then: one choice in eight measures 200 ms where
+    the others take 0.1 ms. Choices are still worth their cost (the median), so every step makes
+    its own and every run of paying drafts is taken whole. (Planted bug, the cost as a decayed
+    mean of the samples: a third of the steps skip their choice, and drafts go untaken.)"""
+    costs = measured()
+    low = [Candidate(6, np.cumprod([0.05] * 6), free=True) for _ in range(8)]
+    good = [Candidate(6, np.cumprod([0.9] * 6), free=True)] + low[1:]
+    ctl = GoodputController(costs)
+    made, drafted = [], []
+    for step in range(400):
+        look = ctl.look_due()
+        choice = ctl.choose(good if step % 20 < 5 else low) if look else None
+        if look:
+            ctl.looked(0.2 if step % 8 == 0 else 0.0001)
+        made.append(look)
+        drafted.append(choice is not None and any(choice.tokens) and not choice.probe)
+    assert all(made)
+    assert sum(drafted) >= 95

@@ -4,7 +4,8 @@ measured costs and acceptance, and whether a step's choice is worth making at al
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,9 +40,11 @@ class GoodputController:
     _pending: Choice | None = None
     _plain_pending: bool = False  # the last choice drafted nothing: its cycle measures plain
     #: what a choice is worth against what it costs (``look_due``): the seconds the searched
-    #: choices were expected to save, and the proposer's seconds to make one, both decayed
+    #: choices were expected to save (decayed), and the proposer's seconds to make one (the
+    #: median of the last ``LOOK_SAMPLES``)
     _look_saving: float = 0.0
     _look_cost: float | None = None
+    _look_samples: list[float] = field(default_factory=list)
     _look_next: bool = True  # the last choice drafted or was not searched: the next is made
     _skipped_in_row: int = 0
     #: the last choice's per-token bar (tokens per second of a token's own cost; ``weighed``)
@@ -118,15 +121,18 @@ class GoodputController:
     #: candidates and this search (about 2% of a plain step at batch 8 on the CPU;
     #: docs/architecture.md, "The goodput controller"); at most this many steps in a row go without one (``look_due``)
     MAX_SKIPPED_LOOKS = 3
-    #: the share of the old figure kept per choice, in ``_look_saving`` and ``_look_cost``
+    #: the share of the old figure kept per choice, in ``_look_saving``
     LOOK_DECAY = 0.9
+    #: a choice's cost is the median of this many recent ones: a step in which the host
+    #: preempted the proposer (a busy machine) must not price every later choice as dear
+    LOOK_SAMPLES = 31
 
     def look_due(self) -> bool:
         """Whether this step's choice is worth making: the last choice drafted (drafts that pay
         come in runs: a quoted passage, a repeated pattern) or was a forced plain cycle that
         searched nothing, or choices have been expected to save at least the seconds they take
-        (a decayed mean over choices, 0 for one that drafted nothing, against the proposer's
-        measured time to make one, ``looked``), or ``MAX_SKIPPED_LOOKS`` steps in a row went
+        (a decayed mean over choices, 0 for one that drafted nothing, against the median of the
+        proposer's measured times to make one, ``looked``), or ``MAX_SKIPPED_LOOKS`` steps in a row went
         without one. A step without a choice drafts nothing and costs the proposer only its
         bookkeeping of the step's tokens; what it skips is a choice expected to be worth less
         than its own cost. Probes and plain refreshes come after as many choices as ever, so
@@ -149,10 +155,11 @@ class GoodputController:
 
     def looked(self, seconds: float) -> None:
         """The proposer's seconds to make this step's choice (its lookups, candidates, search)."""
-        if self._look_cost is None:
-            self._look_cost = seconds
-        else:
-            self._look_cost += (1.0 - self.LOOK_DECAY) * (seconds - self._look_cost)
+        samples = self._look_samples
+        samples.append(seconds)
+        if len(samples) > self.LOOK_SAMPLES:
+            del samples[0]
+        self._look_cost = statistics.median(samples)
 
     def _searched(self, best: Choice, base: float, plain: float) -> None:
         """Record what the searched choice (before probes) is expected to save: the seconds
