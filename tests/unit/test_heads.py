@@ -589,15 +589,19 @@ def test_a_checkpoint_that_runs_code_is_refused_unrun(tmp_path, model, data):
 
 
 def test_two_concurrent_train_heads_runs_of_one_output(tmp_path):
-    """Two ``train-heads`` processes of the same output and data cache at once, with different
-    settings: the run's work dir (its checkpoints) is taken under a lock, so the second waits
-    rather than find the first's checkpoint, take it for another run's and delete it under the
-    first; both succeed, and what is left is one whole, loadable set of heads (the later run's),
-    one data cache and no work or temporary directory."""
+    """Two ``train-heads`` processes of the same output and data cache, with different settings:
+    the run's work dir (its checkpoints) is taken under a lock, so a second run waits while
+    another holds it, rather than find the first's checkpoint, take it for another run's and
+    delete it under the first. First, deterministically, a run while the lock is held (as by a
+    run in progress): it says it waits, and goes on once the lock is free. Then two at once: both
+    succeed, and what is left is one whole, loadable set of heads, one data cache and no work or
+    temporary directory. (Planted bug, no lock on the work dir: the first part never sees the
+    run wait.)"""
     import os
     import subprocess
     import sys
 
+    from vllm_selfspec.cachedir import locked
     from vllm_selfspec.heads import load_heads
 
     model_dir = save_tiny(tmp_path / "tiny")
@@ -608,26 +612,35 @@ def test_two_concurrent_train_heads_runs_of_one_output(tmp_path):
         )
     )
     out = tmp_path / "heads"
+    work = out.parent / f".{out.name}.work"
     args = ["train-heads", "--kind", "cascade", "--model", str(model_dir), "--out", str(out)]
     args += ["--layers", "1,3", "--sources", str(prompts), "--max-new-tokens", "8"]
     args += ["--batch-size", "32", "--est-steps", "5"]
     env = {**os.environ, "VLLM_SELFSPEC_HOME": str(tmp_path / "home")}
-    runs = [
-        subprocess.Popen(
+
+    def start(steps: str):
+        return subprocess.Popen(
             [sys.executable, "-m", "vllm_selfspec.cli", *args, "--steps", steps],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for steps in ("300", "301")  # long enough to overlap
-    ]
+
+    with locked(work):  # another run holds the work dir
+        run = start("20")
+        seen = []
+        for line in run.stdout:  # (it collects the data first, then comes to the work dir)
+            seen.append(line)
+            if f"waiting for {work}" in line:
+                break
+        assert run.poll() is None and f"waiting for {work}" in seen[-1], "".join(seen[-20:])
+    log = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, log
+
+    runs = [start(steps) for steps in ("300", "301")]  # long enough to overlap
     logs = [r.communicate(timeout=600)[0] for r in runs]
     assert [r.returncode for r in runs] == [0, 0], logs
-    waited = [
-        log for log in logs if f"waiting for {out.parent / ('.' + out.name + '.work')}" in log
-    ]
-    assert len(waited) == 1, "the runs did not take turns in the work dir"
     heads = load_heads(out, expect=None)  # checks the weights against their content hash
     assert sorted(heads.heads) == [1, 3]
     assert heads.metadata["config"]["steps"] in (300, 301)
