@@ -30,19 +30,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from lookup_host import text_with_repeats  # benchmarks/, this script's folder
+
 BATCH_MATES = 7
 INDEXING_STEPS = 10
 
 
 def tokens_with_repeats(rng: random.Random, n: int, vocab: int) -> list[int]:
-    out: list[int] = []
-    while len(out) < n:
-        if out and rng.random() < 0.5:
-            start = rng.randrange(len(out))
-            out += out[start : start + rng.randint(4, 40)]
-        else:
-            out += [rng.randrange(2, vocab) for _ in range(rng.randint(2, 20))]
-    return out[:n]
+    """Prompt tokens with recurring stretches, none of them BOS or EOS (ids 0 and 1)."""
+    return text_with_repeats(rng, n, vocab, first=2)
 
 
 def tiny_model(path: Path, vocab: int, max_positions: int) -> str:

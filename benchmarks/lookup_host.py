@@ -35,15 +35,16 @@ import time
 from pathlib import Path
 
 
-def text_with_repeats(rng: random.Random, n: int) -> list[int]:
-    """A token sequence where stretches recur (as in code or a document being edited)."""
+def text_with_repeats(rng: random.Random, n: int, vocab: int = 32000, first: int = 0) -> list[int]:
+    """A token sequence where stretches recur (as in code or a document being edited): token
+    ids in ``first .. vocab - 1``."""
     out: list[int] = []
     while len(out) < n:
         if out and rng.random() < 0.5:
             start = rng.randrange(len(out))
             out += out[start : start + rng.randint(4, 40)]
         else:
-            out += [rng.randrange(32000) for _ in range(rng.randint(2, 20))]
+            out += [rng.randrange(first, vocab) for _ in range(rng.randint(2, 20))]
     return out[:n]
 
 
