@@ -34,13 +34,16 @@ def bound_onednn_primitive_cache() -> str | None:
     unless the deployment set it); returns the capacity in force (None: not on CPU).
 
     vLLM-CPU's linear layers run oneDNN GEMMs, one primitive per weight shape and row count
-    (~0.3 MiB each for the embedded model). vLLM keeps the 32 most recent row counts per
-    weight shape itself; oneDNN's own cache keeps up to 1024 primitives besides. A vanilla
-    decode batch has few row counts; a speculative one many more (1 to max_num_batched_tokens
-    for the verifying forward and the LM head, 1 to max_num_seqs for draft steps), so the cache
-    fills during serving, a primitive at a time: ~300 MiB of resident memory more over the first
-    hour of a load test. Re-creating a primitive it no longer holds takes ~0.3 ms. oneDNN reads
-    the variable when it first uses the cache, so this must run before the model loads."""
+    (~0.3 MiB each for the embedded model); vLLM keeps 32 row counts per weight shape itself,
+    oneDNN's cache up to 1024 primitives besides. A vanilla decode batch has few row counts; a
+    speculative engine's steps have nearly every count from 1 to ``max_num_batched_tokens``
+    (verification, its LM head, draft steps), more than 1024 primitives in all: oneDNN's cache
+    fills during serving (~800 primitives, +230 MiB resident, in the first 500 steps of a load
+    test) and then keeps evicting and re-creating them. A primitive the cache no longer holds is
+    re-created in ~0.3 ms. With glibc's malloc, creating primitives amid the steps'
+    varying-size tensors also fragments the heap (resident memory keeps growing either way):
+    serve with tcmalloc or jemalloc preloaded, as vLLM-CPU asks for. oneDNN reads the variable
+    when it first uses the cache, so this must run before the model loads."""
     if not compat.is_cpu():
         return None
     return os.environ.setdefault(
