@@ -190,3 +190,27 @@ def test_concurrent_scrapes_share_one_rpc(loop):
     assert col.refresh()["steps"] == 1 and engine.calls == 1  # within max_age_s
     col.max_age_s = 0.0
     assert col.refresh()["steps"] == 2 and engine.calls == 2  # past it: pulled again
+
+
+def test_the_workers_stats_rpc_does_not_walk_the_frozen_heap(monkeypatch):
+    """``gc.get_freeze_count()`` walks every frozen object (~0.15 s for the worker's start-up
+    heap): a stats RPC, which every /metrics scrape may send, must report the start-up count
+    instead of stalling the engine for it."""
+    import gc
+    import types
+
+    from vllm_selfspec.engine.proposer import SelfSpecProposer
+    from vllm_selfspec.engine.worker import SelfSpecWorker
+
+    drafter = object.__new__(SelfSpecProposer)
+    drafter.stats_dict = lambda: {"drafted_tokens": 1}
+    worker = object.__new__(SelfSpecWorker)
+    worker.model_runner = types.SimpleNamespace(drafter=drafter)
+    worker.selfspec_frozen_objects = 123_456  # what compile_or_warm_up_model counted
+
+    def walk():
+        raise AssertionError("a stats RPC walked the frozen heap")
+
+    monkeypatch.setattr(gc, "get_freeze_count", walk)
+    out = worker.selfspec_stats()
+    assert out["drafted_tokens"] == 1 and out["gc_frozen_objects"] == 123_456
