@@ -1,23 +1,25 @@
-"""The step times of a running batch when a 64k-token prompt joins it, vanilla vLLM against `auto`.
+"""The step times of a running batch when a 64k-token prompt joins it: vanilla vLLM, vLLM's
+`suffix` method (the draft-free peer) and `auto`.
 
-    python benchmarks/long_prompt_stall.py [--prompt-tokens 65536] [--out DIR]
+    python benchmarks/long_prompt_stall.py [--prompt-tokens 65536] [--engines vanilla,suffix,auto] [--out DIR]
 
 Context lookup indexes a request's prompt in its own suffix tree (``lookup.py``): the last 2,048
 tokens on its first decode step, 2,048 more each step after, back to 16,384. The work is bounded
 per step so that a long prompt does not stall the requests decoding beside it. This measures
 that in an engine: 7 requests decode, then one with a ``--prompt-tokens`` prompt joins; every
-engine step is timed, vanilla and `auto` (each engine alone, vLLM's default compiled mode). The
-model is a tiny random-weight Llama (4 layers, hidden 128, vocabulary 512, positions to 70k,
-written to a temporary directory): the stall in question is the host's indexing, which does not
-depend on the model, while the embedded model's 8k positions and one-core prefill would not fit
-a 64k prompt. Prompts are random tokens with recurring stretches, so lookup drafts.
+engine step is timed, each engine alone, in vLLM's default compiled mode. The model is a tiny
+random-weight Llama (4 layers, hidden 128, vocabulary 512, positions to 70k, written to a
+temporary directory): the stall in question is the host's indexing, which does not depend on
+the model, while the embedded model's 8k positions and one-core prefill would not fit a 64k
+prompt. Prompts are random tokens with recurring stretches, so lookups draft.
 
-Per engine and phase: median and max step milliseconds, over the steps before the long request
-joins (``before``), while its prompt is prefilled in chunks (``prefill``), its first 10 decode
-steps (``indexing``: where `auto` indexes the prompt) and the rest (``after``); for `auto`, the
-most milliseconds context lookup took in one step of the phase (its own timer, which the
-engine's ``get_stats`` reports). Written to
-DIR/results.json and DIR/table.md.
+Per engine and phase: steps, tokens emitted, median and max step milliseconds, over the steps
+before the long request joins (``before``), while its prompt is prefilled in chunks
+(``prefill``), its first 10 decode steps (``indexing``: where `auto` indexes the prompt) and the
+rest (``after``). A speculative step emits several tokens per request, so compare tokens per
+second, not step times. For `auto`, the most milliseconds context lookup took in one step of the
+phase, and where the phase's slowest step spent its time (the engine's ``get_stats`` timers:
+draft, verify, lookup, controller...). Written to DIR/results.json and DIR/table.md.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +38,8 @@ from lookup_host import text_with_repeats  # benchmarks/, this script's folder
 
 BATCH_MATES = 7
 INDEXING_STEPS = 10
+ENGINES = {"vanilla": None, "suffix": {"method": "suffix"}, "auto": {"method": "auto"}}
+PHASES = ("before", "prefill", "indexing", "after")
 
 
 def tokens_with_repeats(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -69,6 +75,7 @@ def run_engine(model: str, spec: dict | None, args) -> dict:
     from vllm import LLM, SamplingParams
 
     import vllm_selfspec
+    from vllm_selfspec import compat
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # step the engine core in this process
     llm = LLM(
@@ -87,27 +94,32 @@ def run_engine(model: str, spec: dict | None, args) -> dict:
     for i in range(BATCH_MATES):
         prompt = tokens_with_repeats(rng, 256, args.vocab)
         eng.add_request(f"mate{i}", {"prompt_token_ids": prompt}, greedy)
-    phases: dict[str, list[float]] = {"before": [], "prefill": [], "indexing": [], "after": []}
-    lookup: dict[str, list[float]] = {k: [] for k in phases}  # auto: lookup ms of each step
-    seen = {"lookup": 0.0}
+    selfspec = spec is not None and spec["method"] not in compat.vllm_spec_methods()
+    steps: dict[str, list[dict]] = {k: [] for k in PHASES}
+    seen: dict[str, float] = {}  # selfspec: the runner's timers so far
+    emitted: dict[str, int] = {}  # tokens each request has emitted so far
 
     def step() -> dict:
         t0 = time.perf_counter()
         outs = eng.step()
         ms = 1000 * (time.perf_counter() - t0)
-        look = None
-        if spec:  # the proposer's lookup seconds so far (read outside the timed step)
-            total = vllm_selfspec.get_stats(llm)["time_s"]["lookup"]
-            look, seen["lookup"] = 1000 * (total - seen["lookup"]), total
-        return {"ms": ms, "outs": outs, "lookup_ms": look}
+        tokens = 0
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            tokens += n - emitted.get(o.request_id, 0)
+            emitted[o.request_id] = n
+        split = None
+        if selfspec:  # the runner's timers of this step, ms (read outside the timed step)
+            now = vllm_selfspec.get_stats(llm)["time_s"]
+            split = {k: round(1000 * (v - seen.get(k, 0.0)), 3) for k, v in now.items()}
+            seen.update(now)
+        return {"ms": ms, "outs": outs, "tokens": tokens, "split": split}
 
     for _ in range(args.warm_steps):
         step()
 
     def record(phase: str, s: dict) -> None:
-        phases[phase].append(s["ms"])
-        if s["lookup_ms"] is not None:
-            lookup[phase].append(s["lookup_ms"])
+        steps[phase].append({"ms": s["ms"], "tokens": s["tokens"], "split": s["split"]})
 
     for _ in range(args.steps_before):
         record("before", step())
@@ -122,26 +134,47 @@ def run_engine(model: str, spec: dict | None, args) -> dict:
         phase = "prefill" if produced == 0 and n == 0 else None
         produced = max(produced, n)
         if phase is None:
-            decode_steps = len(phases["indexing"]) + len(phases["after"])
+            decode_steps = len(steps["indexing"]) + len(steps["after"])
             phase = "indexing" if decode_steps < INDEXING_STEPS else "after"
         record(phase, s)
-    stats = vllm_selfspec.get_stats(llm) if spec else {}
+    stats = vllm_selfspec.get_stats(llm) if selfspec else {}
     eng.engine_core.shutdown()
     return {
-        "phases": {
-            k: {
-                "steps": len(v),
-                "median_ms": round(statistics.median(v), 2) if v else None,
-                "max_ms": round(max(v), 2) if v else None,
-                "lookup_max_ms": round(max(lookup[k]), 3) if lookup[k] else None,
-            }
-            for k, v in phases.items()
-        },
+        "phases": {k: summarise(v) for k, v in steps.items()},
         "host_us_per_step": stats.get("host_us_per_step"),
         "lookup_index": stats.get("lookup_index"),
         "drafted_tokens": stats.get("drafted_tokens"),
         "accepted_tokens": stats.get("accepted_tokens"),
     }
+
+
+def summarise(steps: list[dict]) -> dict:
+    """One phase: its steps, tokens, tokens/s, median and max step ms; for a selfspec engine,
+    the most ms lookup took in a step and the split of the slowest step."""
+    if not steps:
+        return {"steps": 0}
+    ms = [s["ms"] for s in steps]
+    slowest = max(steps, key=lambda s: s["ms"])
+    tokens = sum(s["tokens"] for s in steps)
+    r = {
+        "steps": len(steps),
+        "tokens": tokens,
+        "tokens_per_s": round(1000 * tokens / sum(ms), 1),
+        "median_ms": round(statistics.median(ms), 2),
+        "max_ms": round(max(ms), 2),
+    }
+    if slowest["split"] is not None:
+        r["lookup_max_ms"] = max(s["split"]["lookup"] for s in steps)
+        r["slowest_step_split_ms"] = slowest["split"]
+    return r
+
+
+def split_text(split: dict | None) -> str:
+    """The slowest step's largest parts, e.g. ``verify 1402, lookup 12.6``."""
+    if not split:
+        return "–"
+    parts = sorted(((v, k) for k, v in split.items() if k != "total" and v >= 0.5), reverse=True)
+    return ", ".join(f"{k} {v:.1f}" for v, k in parts[:3]) or "–"
 
 
 def main() -> None:
@@ -152,31 +185,51 @@ def main() -> None:
     p.add_argument("--warm-steps", type=int, default=20)
     p.add_argument("--steps-before", type=int, default=30)
     p.add_argument("--long-tokens", type=int, default=200, help="tokens the long request decodes")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"among {', '.join(ENGINES)}")
     p.add_argument("--out", default="long-prompt-stall")
+    # internal: run one engine in this process and write its results to a file
+    p.add_argument("--one", nargs=3, metavar=("ENGINE", "MODEL", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.one:
+        engine, model, result = args.one
+        Path(result).write_text(json.dumps(run_engine(model, ENGINES[engine], args)))
+        return
+    engines = args.engines.split(",")
+    if unknown := set(engines) - set(ENGINES):
+        p.error(f"unknown engines {sorted(unknown)}; choose among {', '.join(ENGINES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp) / "tiny", args.vocab, args.prompt_tokens + 4096)
-        results = {
-            "settings": vars(args),
-            "vanilla": run_engine(model, None, args),
-            "auto": run_engine(model, {"method": "auto"}, args),
-        }
+        results = {"settings": {k: v for k, v in vars(args).items() if k != "one"}}
+        for engine in engines:  # each in a fresh process, as each engine would be served
+            result = Path(tmp) / f"{engine}.json"
+            subprocess.run(
+                [sys.executable, __file__, *sys.argv[1:], "--one", engine, model, str(result)],
+                check=True,
+            )
+            results[engine] = json.loads(result.read_text())
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     rows = [
-        "| engine | phase | steps | median step ms | max step ms | max lookup ms of a step |",
-        "|---|---|---|---|---|---|",
+        "| engine | phase | steps | tokens | tokens/s | median step ms | max step ms "
+        "| max lookup ms of a step | slowest step's largest parts, ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for engine in ("vanilla", "auto"):
+    for engine in engines:
         for phase, r in results[engine]["phases"].items():
-            look = "–" if r["lookup_max_ms"] is None else r["lookup_max_ms"]
+            if not r["steps"]:
+                continue
+            look = r.get("lookup_max_ms", "–")
+            split = split_text(r.get("slowest_step_split_ms"))
             rows.append(
-                f"| {engine} | {phase} | {r['steps']} | {r['median_ms']} | {r['max_ms']} | {look} |"
+                f"| {engine} | {phase} | {r['steps']} | {r['tokens']} | {r['tokens_per_s']} "
+                f"| {r['median_ms']} | {r['max_ms']} | {look} | {split} |"
             )
     (out / "table.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
-    print(f"auto host µs per step: {results['auto']['host_us_per_step']}")
+    for engine in engines:
+        if results[engine].get("host_us_per_step"):
+            print(f"{engine} host µs per step: {results[engine]['host_us_per_step']}")
 
 
 if __name__ == "__main__":
