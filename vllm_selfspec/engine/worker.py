@@ -58,7 +58,7 @@ def freeze_startup_heap() -> int:
     collections come when enough long-lived objects pile up, which a drafter's bookkeeping does
     and a vanilla worker's does not: without this, one of them stalls an engine step for
     hundreds of milliseconds (docs/architecture.md, "Runner hooks"). Returns the number of
-    objects frozen. Counting them walks every frozen object (~0.15 s for a million): done
+    objects frozen. Counting them walks every frozen object (about 0.15 s here): done
     once here, never while serving."""
     gc.collect()
     gc.freeze()
