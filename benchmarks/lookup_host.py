@@ -48,7 +48,14 @@ def text_with_repeats(rng: random.Random, n: int, vocab: int = 32000, first: int
     return out[:n]
 
 
-def run_cell(batch: int, context: int, steps: int, k: int | None = None, cold_mb: int = 0) -> dict:
+def run_cell(
+    batch: int,
+    context: int,
+    steps: int,
+    k: int | None = None,
+    cold_mb: int = 0,
+    self_drafts: bool = False,
+) -> dict:
     import numpy as np
 
     from vllm_selfspec.config import AUTO_OPTIONS
@@ -59,6 +66,7 @@ def run_cell(batch: int, context: int, steps: int, k: int | None = None, cold_mb
     sweep = np.ones(cold_mb * 2**20 // 8) if cold_mb else None
 
     from vllm_selfspec.goodput import AcceptanceTracker, Candidate, GoodputController
+    from vllm_selfspec.goodput.choice import prefer_free
     from vllm_selfspec.goodput.costs import StepCostModel
     from vllm_selfspec.lookup import SLOTS, ContextIndex, SharedIndex
 
@@ -70,8 +78,14 @@ def run_cell(batch: int, context: int, steps: int, k: int | None = None, cold_mb
     for _ in range(50):  # a measured cost line: ~30 ms a step, ~2 ms a verified token
         for r, extra in ((batch, 0), (batch, batch), (batch, 3 * batch)):
             costs.add_target(r, r + extra, 0.03 + 0.0005 * r + 0.002 * extra)
+    g = AUTO_OPTIONS["self_draft_tokens"]  # the longest self-draft auto makes
+    if self_drafts:  # a measured draft step: ~3 ms fixed, ~0.2 ms a row (trained heads)
+        for _ in range(50):
+            for layers, rows in ((1.0, 1), (1.0, batch + 1), (2.0, batch)):
+                costs.add_draft(layers, rows, 0.0015 * (1 + layers) + 0.0002 * layers * rows)
     controller = GoodputController(costs)
     tracker = AcceptanceTracker(SLOTS)
+    self_tracker = AcceptanceTracker(g)
     prompts = [text_with_repeats(rng, context) for _ in range(batch)]
     requests = [
         {
@@ -79,9 +93,34 @@ def run_cell(batch: int, context: int, steps: int, k: int | None = None, cold_mb
             "index": ContextIndex(),
             "view": shared.view("t"),
             "rates": tracker.new_state(),
+            "self_rates": self_tracker.new_state(),
         }
         for p in prompts
     ]
+
+    def option(req, tokens, slots, coef, v1):
+        """The request's candidate, as the proposer's ``_candidates`` makes it: its lookup
+        draft, or (``self_drafts``) its self-draft where the controller would rather have it."""
+        free = Candidate(0, np.zeros(0))
+        if tokens:
+            free = Candidate(
+                len(tokens), tracker.cumulative(req["rates"], len(tokens), slots), free=True
+            )
+        if not self_drafts:
+            return free
+        row, plan = float(coef[2]), float(coef[0] + coef[1])
+        paid = Candidate(g, self_tracker.cumulative(req["self_rates"], g), row, plan)
+        if not tokens:
+            return paid
+        return free if prefer_free(*controller.weighed(free, paid, v1), v1) else paid
+
+    def verified(n: int, free: bool) -> int:
+        """How many of ``n`` drafts the target accepts: a lookup draft's any number alike, a
+        self-draft's each token with probability 0.8 (trained heads on a repetitive text)."""
+        if free:
+            return rng.randint(0, n)
+        return next((j for j in range(n) if rng.random() >= 0.8), n)
+
     parts = {"lookup": [], "choice": [], "bookkeeping": []}
     caught_up = None  # the steps it took to index every prompt
     for _ in range(steps):
@@ -94,25 +133,33 @@ def run_cell(batch: int, context: int, steps: int, k: int | None = None, cold_mb
             index.extend(toks[len(index) :])
             drafts.append(index.propose(k, req["view"]))
         t1 = time.perf_counter()
-        cands = [
-            Candidate(len(t), tracker.cumulative(req["rates"], len(t), s), free=True)
-            if t
-            else Candidate(0, np.zeros(0))
-            for req, (t, s) in zip(requests, drafts)
-        ]
+        coef, v1 = costs.draft_coefficients(), costs.token_seconds() or 0.0
+        cands = [option(req, t, s, coef, v1) for req, (t, s) in zip(requests, drafts)]
         choice = controller.choose(cands)
         t2 = time.perf_counter()
-        outcomes = [min(g, len(t)) for (t, _), g in zip(drafts, choice.tokens)]
-        outcomes = [(g, rng.randint(0, g)) for g in outcomes]
+        outcomes = [(min(n, c.max_tokens), c.free) for c, n in zip(cands, choice.tokens)]
+        outcomes = [(n, verified(n, free), free) for n, free in outcomes]
+        drafted = sum(n for n, _, _ in outcomes)
+        paid_rows = sum(1 for n, _, free in outcomes if n and not free)
+        forward = 0.03 + 0.0005 * batch + 0.002 * drafted  # the cost line above
+        draft_step = 0.0015 * 2 + 0.0002 * paid_rows if paid_rows else 0.0
         t3 = time.perf_counter()
-        for req, (_, s), (g, accepted) in zip(requests, drafts, outcomes):
-            tracker.observe(req["rates"], g, accepted, s)
+        # what the proposer keeps per step: the forwards' cost samples, the controller's
+        # settlement of its last choice, each request's verification outcome
+        costs.add_target(batch, batch + drafted, forward)
+        if paid_rows:
+            costs.add_draft(1.0, paid_rows, draft_step)
+        controller.settle(batch + sum(a for _, a, _ in outcomes), batch, forward + draft_step)
+        for req, (_, s), (n, accepted, free) in zip(requests, drafts, outcomes):
+            if free:
+                tracker.observe(req["rates"], n, accepted, s)
+            else:
+                self_tracker.observe(req["self_rates"], n, accepted)
         t4 = time.perf_counter()
         parts["lookup"].append(t1 - t0)
         parts["choice"].append(t2 - t1)
         parts["bookkeeping"].append(t4 - t3)
-        controller.settle(batch, batch, 0.03)
-        for req, (_, accepted) in zip(requests, outcomes):  # the step's new tokens
+        for req, (_, accepted, _) in zip(requests, outcomes):  # the step's new tokens
             req["tokens"] += text_with_repeats(rng, accepted + 1)
         if caught_up is None and all(r["index"].lo == r["index"].floor for r in requests):
             caught_up = len(parts["lookup"])
@@ -162,6 +209,13 @@ def main() -> None:
         help="sweep this many MB between steps: the host caches as a forward on the same CPU "
         "leaves them (0: warm, as beside a GPU forward)",
     )
+    p.add_argument(
+        "--self-drafts",
+        action="store_true",
+        help="every request also has a self-draft of auto's length (trained heads: a draft step "
+        "a tenth of a plain step, 80%% of tokens accepted), which the controller weighs against "
+        "its lookup draft",
+    )
     args = p.parse_args()
     rows = []
     lines = [
@@ -172,7 +226,9 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
-            r = run_cell(batch, context, args.steps, cold_mb=args.cold_mb)
+            r = run_cell(
+                batch, context, args.steps, cold_mb=args.cold_mb, self_drafts=args.self_drafts
+            )
             rows.append(r)
             s = r["steady_us"]
             lines.append(

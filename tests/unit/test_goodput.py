@@ -750,6 +750,44 @@ def test_verification_is_priced_by_the_shapes_measured():
         assert c.verify_excess_table(r, 10) == [c.verify_excess(r, d) for d in range(1, 11)]
 
 
+def excess_reference(c: StepCostModel, r: int, d: int) -> float:
+    """``verify_excess(r, d)`` by its rule, one draft count at a time: a measured shape's
+    shrunk mean; else the line shifted by the mean residual of the nearest measured shapes below
+    and above within ``SHAPE_REACH``; else the line; never below 0."""
+    line, reach = c.target_line(), c.SHAPE_REACH
+    seen = c._shapes.get((r, d))
+    if seen is not None:
+        return max(0.0, c._shrunk(seen, line, d))
+    residuals = []
+    for sign in (-1, 1):
+        for step in range(1, reach + 1):
+            near = c._shapes.get((r, d + sign * step))
+            if near is not None and d + sign * step >= 1:
+                n = d + sign * step
+                residuals.append(c._shrunk(near, line, n) - (line[2] * n + line[3]))
+                break
+    shift = sum(residuals) / len(residuals) if residuals else 0.0
+    return max(0.0, line[2] * d + line[3] + shift)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_table_of_verification_prices_follows_the_rule_for_each_draft_count(seed):
+    """Random measured shapes (gaps, runs, lone ones, some cheaper than plain): the table the
+    controller prices a step by equals the rule applied to each draft count alone."""
+    rng = np.random.default_rng(seed)
+    c = StepCostModel(skip_first=False)
+    for _ in range(4):
+        c.add_target(4, 4, 0.05)
+        c.add_target(4, 8, 0.06)
+    for d in rng.choice(np.arange(1, 40), size=int(rng.integers(0, 15)), replace=False):
+        for _ in range(int(rng.integers(1, 4))):
+            c.add_target(4, 4, 0.05)
+            c.add_target(4, 4 + int(d), 0.05 + float(rng.uniform(-0.01, 0.03)))
+    most = int(rng.integers(1, 45))
+    want = [excess_reference(c, 4, d) for d in range(1, most + 1)]
+    assert c.verify_excess_table(4, most) == pytest.approx(want, abs=1e-15)
+
+
 def test_a_cheap_drafter_drafts_the_shapes_that_pay():
     """Feature heads at batch 1 (first draft 15% accepted, a draft step a twentieth of a
     target step): priced by the line, whose slope and fixed cost the lone-draft steps inflate,
@@ -855,9 +893,10 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_plain_python_choice_without_draft_steps_equals_the_arrays(seed):
-    """``choose`` takes ``_best_without_draft_steps`` when no draft step is in view: on random
-    batches (self-drafts in them drafting nothing at depth 0) it gives the arrays' choice."""
+def test_the_plain_python_search_equals_the_arrays(seed):
+    """``choose`` searches a step's few dozen tokens with ``_best_in_python`` and larger ones
+    with the arrays: on random batches up to 64 requests, free and self-drafts, every depth,
+    both give the same choices."""
     rng = np.random.default_rng(1000 + seed)
     n = int(rng.integers(1, 65))
     cands = []
@@ -867,14 +906,17 @@ def test_the_plain_python_choice_without_draft_steps_equals_the_arrays(seed):
         free = rng.random() < 0.7
         cands.append(Candidate(k, accept, 0.0 if free else 1e-3, 0.0 if free else 2e-3, free))
     most = sum(c.max_tokens for c in cands)
-    excess = None if rng.random() < 0.3 else np.cumsum(rng.uniform(0.0, 8e-3, size=most))
+    excess = None if rng.random() < 0.3 else list(np.cumsum(rng.uniform(0.0, 8e-3, size=most)))
     v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
-    args = (0, float(n), 0.05 + 0.005 * n, v1, float(rng.choice([0.0, 10.0, 60.0])), verify, excess)
-    (fast,) = GoodputController._best_without_draft_steps(cands, *args)
-    (arrays,) = GoodputController._best_for_depths(cands, *args)
-    assert fast.tokens == arrays.tokens
-    assert fast.expected_tokens == pytest.approx(arrays.expected_tokens)
-    assert fast.expected_seconds == pytest.approx(arrays.expected_seconds)
+    depth = int(rng.integers(0, 7))
+    args = (depth, float(n), 0.05 + 0.005 * n, v1, float(rng.choice([0.0, 10.0, 60.0])), verify)
+    python = GoodputController._best_in_python(cands, *args, excess)
+    arrays = GoodputController._best_for_depths(cands, *args, excess)
+    assert len(python) == len(arrays) == depth + 1
+    for fast, slow in zip(python, arrays):
+        assert fast.tokens == slow.tokens
+        assert fast.expected_tokens == pytest.approx(slow.expected_tokens)
+        assert fast.expected_seconds == pytest.approx(slow.expected_seconds)
 
 
 def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verifying_step():
@@ -886,7 +928,7 @@ def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verif
     args = (1.0, 0.05, 4e-3, 150.0, 0.0, excess)  # base, plain, v1, floor, verify, excess
     got = GoodputController._best_for_depths([free], 0, *args)
     assert got[0].tokens == one_depth_reference([free], 0, *args).tokens == [3]
-    assert GoodputController._best_without_draft_steps([free], 0, *args)[0].tokens == [3]
+    assert GoodputController._best_in_python([free], 0, *args)[0].tokens == [3]
 
 
 def _shape_samples(deviations):

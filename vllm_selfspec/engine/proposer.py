@@ -774,7 +774,7 @@ class SelfSpecProposer:
         # any); a draft step = d0 + d1 * layers + d2 * layers * rows (seconds)
         d["costs"] = {
             "target_forward_s": None if target is None else list(target),
-            "draft_step_s": None if draft is None else draft.tolist(),
+            "draft_step_s": None if draft is None else list(draft),
             # per shape measured: [requests, draft tokens, samples, seconds over a plain step]
             "verify_excess_s": self.costs.shapes(),
             # draft steps left out as carrying one-time costs (goodput.StepCostModel)

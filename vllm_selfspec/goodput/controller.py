@@ -171,6 +171,10 @@ class GoodputController:
         self._look_next = any(best.tokens)
 
     # ---- the choice ------------------------------------------------------------------------
+    #: the largest search (depths × tokens on offer) made in plain Python (``_best_in_python``);
+    #: above it the arrays (``_best_for_depths``) are faster
+    PYTHON_SEARCH_SIZE = 400
+
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
         """Draft lengths maximising expected emitted tokens / predicted seconds of the next step
         (``tokens``: scheduled tokens of the step without drafts, default one per candidate)."""
@@ -218,11 +222,13 @@ class GoodputController:
             default=0,
         )
         # the verification of m = 1.. drafts in this step, by the shapes measured or the line
-        most = sum(c.max_tokens for c in scaled)
+        # at most this many drafts on offer (a self-draft's first ``depth`` tokens)
+        most = sum(c.max_tokens if c.free else min(c.max_tokens, depth) for c in scaled)
         excess = self.costs.verify_excess_table(n, most)
-        # with no draft step in view (lookup drafts only, the common case on a CPU): one pass in
-        # plain Python, several times faster than the arrays for a step's few dozen tokens
-        search = self._best_for_depths if depth else self._best_without_draft_steps
+        # a step's few dozen tokens are searched in plain Python, several times faster there
+        search = self._best_in_python
+        if (depth + 1) * most > self.PYTHON_SEARCH_SIZE:
+            search = self._best_for_depths
         for choice in search(scaled, depth, base, plain, v1, floor, verify, excess):
             rate = choice.expected_tokens / choice.expected_seconds
             if rate > best_rate and self._clears_margin(choice, base):
@@ -273,10 +279,12 @@ class GoodputController:
             return Candidate(0, c.accept, free=c.free)
         # the measured/predicted extra seconds scale a token's whole cost, its verification
         # (v1) included: as a row cost, so that a lookup draft's is scaled too
-        t = net.time_calibration()
+        t, a = net.time_calibration(), net.token_calibration()
+        if t == 1.0 and a == 1.0:  # no record yet: the estimates as they are
+            return c
         return Candidate(
             c.max_tokens,
-            net.token_calibration() * c.accept,
+            a * c.accept,
             t * c.row_seconds + (t - 1.0) * v1,
             t * c.plan_seconds,
             c.free,
@@ -426,40 +434,64 @@ class GoodputController:
         return out
 
     @staticmethod
-    def _best_without_draft_steps(
+    def _best_in_python(
         cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
     ) -> list[Choice]:
-        """``_best_for_depths`` for ``depth`` 0 (only free tokens on offer), the same choice
-        (tests/unit/test_goodput.py checks them against each other): the free tokens ranked by
-        expected tokens per second of their cost, the best prefix that is worth it."""
-        assert depth == 0
+        """``_best_for_depths`` in plain Python, the same choices (tests/unit/test_goodput.py
+        checks them against each other): the tokens ranked once, then per depth one walk along
+        the ranking over the tokens on offer. Its time grows with depths × tokens, the arrays'
+        hardly at all, but each array operation costs a microsecond or two: for a step's few
+        dozen tokens this is several times faster (``PYTHON_SEARCH_SIZE``)."""
         offer = []  # (-tokens per second of its cost, column, request, gain, row seconds)
+        fixed = 0.0  # a draft step's fixed seconds: the dearest plan among the drafting rows
         for i, c in enumerate(cands):
-            if not c.free or c.max_tokens <= 0:
+            d = c.max_tokens if c.free else min(c.max_tokens, depth)
+            if d <= 0:
                 continue
+            if not c.free:
+                fixed = max(fixed, c.plan_seconds)
             cost = max(v1 + c.row_seconds, 1e-12)
-            for j in range(c.max_tokens):
-                g = float(c.accept[j])
+            for j, g in enumerate(c.accept[:d].tolist()):
                 if g > 0:
-                    offer.append((-g / cost, j, i, g, c.row_seconds))
+                    offer.append((-g / cost, j, i, g, c.row_seconds, c.free))
         offer.sort(key=lambda t: (t[0], t[1], t[2]))
+        gains = [t[3] for t in offer]
+        rows = [t[4] for t in offer]
+        # the draft steps a token needs to be on offer, less one: a free one none (-1)
+        needs = [-1 if t[5] else t[1] for t in offer]
+        # by the drafts m in the step (m - 1): their verification, and its share per draft
+        # beyond the verifying step's fixed seconds (what a token's own cost includes)
+        if excess is None:
+            verified = [v1 * m + verify for m in range(1, len(offer) + 1)]
+        else:
+            verified = [float(x) for x in excess[: len(offer)]]
+        shares = [max(v - verify, 0.0) / m for m, v in enumerate(verified, 1)]
         n = len(cands)
-        best, best_rate, best_m = Choice([0] * n, base, plain, plain), -math.inf, 0
-        total, row_sum = base, 0.0
-        for m, (_, _, _, g, row) in enumerate(offer, 1):
-            total += g
-            row_sum += row
-            verified = v1 * m + verify if excess is None else float(excess[m - 1])
-            seconds = plain + row_sum + verified
-            if g > floor * (row + max(verified - verify, 0.0) / m) and total / seconds > best_rate:
-                best_rate, best_m = total / seconds, m
-                best = Choice(None, total, seconds, plain)
-        if best_m:
+        none = Choice([0] * n, base, plain, plain)
+        out = []
+        for s in range(depth + 1):
+            start = plain + s * fixed
+            total, row_sum, m = base, 0.0, 0
+            best_rate, last, best = -math.inf, -1, (0.0, 0.0)
+            for t, g in enumerate(gains):
+                if needs[t] >= s:  # a self-draft's token beyond s draft steps
+                    continue
+                row = rows[t]
+                total += g
+                row_sum += row
+                seconds = start + row_sum + verified[m]
+                if g > floor * (row + shares[m]) and total / seconds > best_rate:
+                    best_rate, last, best = total / seconds, t, (total, seconds)
+                m += 1
+            if last < 0:
+                out.append(none)
+                continue
             tokens = [0] * n
-            for _, _, i, _, _ in offer[:best_m]:
-                tokens[i] += 1
-            best.tokens = tokens
-        return [best]
+            for t in range(last + 1):
+                if needs[t] < s:
+                    tokens[offer[t][2]] += 1
+            out.append(Choice(tokens, *best, plain))
+        return out
 
     def _probe(
         self, cands: list[Candidate], best: Choice, free: bool = False, plain: float = 0.0

@@ -9,36 +9,70 @@ import math
 import numpy as np
 
 
+def solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with ``a x = b``, for the few unknowns of a fit (Gaussian elimination with partial
+    pivoting, in plain Python: for 2 or 3 unknowns several times faster than ``np.linalg.solve``,
+    and a fit is solved every step)."""
+    n = len(b)
+    if n == 2:  # Cramer's rule
+        (p, q), (r, s) = a
+        det = p * s - q * r
+        if det == 0.0:
+            raise np.linalg.LinAlgError("singular fit")
+        return [(b[0] * s - q * b[1]) / det, (p * b[1] - r * b[0]) / det]
+    m = [[*row, rhs] for row, rhs in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0.0:
+            raise np.linalg.LinAlgError("singular fit")
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
 class OnlineFit:
     """y ≈ coef · x for feature vectors x, least squares with forgetting factor ``decay`` per
-    sample; coefficients are clipped at ``lower`` and None until ``min_samples`` were seen."""
+    sample; coefficients are clipped at ``lower`` and None until ``min_samples`` were seen. The
+    sums are Python floats: a step adds a sample of 2 or 3 features, where numpy's per-call
+    overhead would cost more than the arithmetic."""
 
     def __init__(
         self, n: int, decay: float = 0.98, lower: float = 0.0, min_samples: float = 3.0
     ) -> None:
         self.decay, self.lower, self.min_samples = decay, lower, min_samples
-        self.xtx = np.zeros((n, n))
-        self.xty = np.zeros(n)
+        self.xtx = [[0.0] * n for _ in range(n)]
+        self.xty = [0.0] * n
         self.count = 0.0
-        self._coef: np.ndarray | None = None  # solved once per sample (read several times a step)
+        self._coef: tuple[float, ...] | None = (
+            None  # solved once per sample (read several times a step)
+        )
 
     def add(self, x, y: float) -> None:
-        x = np.asarray(x, dtype=np.float64)
-        self.xtx = self.decay * self.xtx + np.outer(x, x)
-        self.xty = self.decay * self.xty + x * y
-        self.count = self.decay * self.count + 1.0
+        d = self.decay
+        x = [float(v) for v in x]
+        self.xtx = [[d * s + xi * xj for s, xj in zip(row, x)] for row, xi in zip(self.xtx, x)]
+        self.xty = [d * s + xi * y for s, xi in zip(self.xty, x)]
+        self.count = d * self.count + 1.0
         self._coef = None
 
-    def coefficients(self) -> np.ndarray | None:
+    def coefficients(self) -> tuple[float, ...] | None:
         if self.count < self.min_samples:
             return None
         if self._coef is None:
             # a light ridge keeps features the data cannot separate (one row count, one plan)
             # at their least-norm values instead of blowing up
-            ridge = 1e-6 * max(np.trace(self.xtx), 1e-12)
-            coef = np.linalg.solve(self.xtx + ridge * np.eye(len(self.xty)), self.xty)
-            self._coef = np.maximum(coef, self.lower)
-            self._coef.setflags(write=False)  # shared by every reader until the next sample
+            n = len(self.xty)
+            ridge = 1e-6 * max(sum(self.xtx[i][i] for i in range(n)), 1e-12)
+            a = [
+                [v + ridge * (i == j) for j, v in enumerate(row)] for i, row in enumerate(self.xtx)
+            ]
+            self._coef = tuple(max(c, self.lower) for c in solve(a, self.xty))
         return self._coef
 
 
@@ -240,14 +274,15 @@ class StepCostModel:
 
     def _solve_plain_fit(self) -> tuple[float, float, float]:
         f = self.plain
-        mean_r, mean_y = float(f.xtx[0, 1] / f.count), float(f.xty[0] / f.count)
+        mean_r, mean_y = f.xtx[0][1] / f.count, f.xty[0] / f.count
         per_token = mean_y / mean_r
         prior = self.PRIOR_SLOPE_SHARE * per_token
         # least squares with a ridge towards the prior slope: it weighs by how much the request
         # counts varied (their squared deviations); one count seen leaves the prior standing
-        ridge = np.diag([0.0, self.PRIOR_WEIGHT])
-        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([0.0, prior]))
-        per_row = max(float(coef[1]), self.MIN_SLOPE_SHARE * per_token)
+        w = self.PRIOR_WEIGHT
+        (a, b), (c, d) = f.xtx
+        coef = solve([[a, b], [c, d + w]], [f.xty[0], f.xty[1] + w * prior])
+        per_row = max(coef[1], self.MIN_SLOPE_SHARE * per_token)
         return max(0.0, mean_y - per_row * mean_r), per_row, per_token
 
     def _plain_seconds(self, requests: int) -> float | None:
@@ -265,11 +300,13 @@ class StepCostModel:
         # apart: their excess goes mostly to the step, so several drafts get tried together,
         # which then tells them apart; a prior above 0 would keep them from ever being tried)
         prior = self.PRIOR_SLOPE_SHARE * per_token
-        ridge = np.diag([self.PRIOR_WEIGHT, self.VERIFY_PRIOR_WEIGHT])
-        f = self.verify
-        coef = np.linalg.solve(f.xtx + ridge, f.xty + ridge @ np.array([prior, 0.0]))
-        per_draft = max(float(coef[0]), self.MIN_SLOPE_SHARE * per_token)
-        verify = max(float(coef[1]), 0.0)
+        w, wv = self.PRIOR_WEIGHT, self.VERIFY_PRIOR_WEIGHT
+        (a, b), (c, d) = self.verify.xtx
+        coef = solve(
+            [[a + w, b], [c, d + wv]], [self.verify.xty[0] + w * prior, self.verify.xty[1]]
+        )
+        per_draft = max(coef[0], self.MIN_SLOPE_SHARE * per_token)
+        verify = max(coef[1], 0.0)
         # Python floats: the engine's stats are serialised
         return max(0.0, v0 + self.drift), per_row, per_draft, verify
 
@@ -278,7 +315,7 @@ class StepCostModel:
         takes v0 + v_row·R + v_tok·D seconds, plus v_ver if D > 0; None before data."""
         return self._frozen[0] if self._frozen is not None else self._target_line()
 
-    def draft_coefficients(self) -> np.ndarray | None:
+    def draft_coefficients(self) -> tuple[float, ...] | None:
         return self._frozen[1] if self._frozen is not None else self.draft.coefficients()
 
     def target_seconds(self, requests: float, drafts: float = 0.0) -> float | None:
@@ -327,27 +364,37 @@ class StepCostModel:
 
     def _excess(self, line, shapes, r: int, lo: int, hi: int) -> list[float]:
         """``verify_excess(r, d)`` for d = lo..hi: the shapes of r measured in reach of them,
-        shrunk towards the line, looked up once."""
+        shrunk towards the line, looked up once; each unmeasured d within reach of them gets the
+        mean residual of the nearest below and the nearest above."""
         reach = self.SHAPE_REACH
+        a, b = line[2], line[3]
+        get, noise = shapes.get, self.noise()
         shrunk = {}
         for d in range(max(1, lo - reach), hi + reach + 1):
-            seen = shapes.get((r, d))
+            seen = get((r, d))
             if seen is not None:
-                shrunk[d] = self._shrunk(seen, line, d)
-        out = []
-        for d in range(lo, hi + 1):
+                shrunk[d] = self._shrunk(seen, line, d, noise)
+        out = [max(0.0, a * d + b) for d in range(lo, hi + 1)]
+        if not shrunk:
+            return out
+        below: dict[int, int] = {}  # d -> the nearest measured draft count below it, in reach
+        above: dict[int, int] = {}
+        measured = sorted(shrunk)
+        for n in measured:
+            for step in range(1, reach + 1):
+                below[n + step] = n
+        for n in reversed(measured):
+            for step in range(1, reach + 1):
+                above[n - step] = n
+        for d in range(max(lo, measured[0] - reach), min(hi, measured[-1] + reach) + 1):
             if d in shrunk:
-                out.append(max(0.0, shrunk[d]))
+                out[d - lo] = max(0.0, shrunk[d])
                 continue
-            residuals = []
-            for sign in (-1, 1):
-                for step in range(1, reach + 1):
-                    n = d + sign * step
-                    if n in shrunk:
-                        residuals.append(shrunk[n] - (line[2] * n + line[3]))
-                        break
-            shift = sum(residuals) / len(residuals) if residuals else 0.0
-            out.append(max(0.0, line[2] * d + line[3] + shift))
+            residuals = [
+                shrunk[n] - (a * n + b) for n in (below.get(d), above.get(d)) if n is not None
+            ]
+            if residuals:
+                out[d - lo] = max(0.0, a * d + b + sum(residuals) / len(residuals))
         return out
 
     def noise(self) -> float:
@@ -356,7 +403,7 @@ class StepCostModel:
             return self._frozen[3]
         return self._noise_sum / self._noise_count if self._noise_count > 0 else 0.0
 
-    def _shrunk(self, seen, line, drafts: int) -> float:
+    def _shrunk(self, seen, line, drafts: int, noise: float | None = None) -> float:
         """A measured shape's price: its mean shrunk towards the line, plus one standard error
         of that mean. The controller drafts the shapes priced cheapest, so a shape whose few
         samples came out cheap by chance would be drafted on the strength of noise (the
@@ -365,7 +412,7 @@ class StepCostModel:
         samples accumulate (to a third of a sample's deviation: samples decay, ``SHAPE_DECAY``),
         and is 0 on a machine whose steps do not vary."""
         w = self.SHAPE_PRIOR_WEIGHT
-        noise = self.noise()
+        noise = self.noise() if noise is None else noise
         mean = (seen[0] + w * (line[2] * drafts + line[3])) / (seen[1] + w)
         return mean + math.sqrt(max(noise, 0.0) / (seen[1] + w))
 
