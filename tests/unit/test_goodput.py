@@ -16,6 +16,7 @@ from vllm_selfspec.goodput import (
     StepCostModel,
     prefer_free,
 )
+from vllm_selfspec.goodput.search import search_arrays, search_python
 
 
 def measured(
@@ -833,8 +834,8 @@ def test_a_draft_step_far_above_its_measured_price_is_not_a_sample_unless_it_per
 
 
 def one_depth_reference(cands, steps, base, plain, v1, floor, verify, excess):
-    """The choice with ``steps`` draft steps, priced on its own (what ``_best_for_depths``
-    computes for every depth in one pass)."""
+    """The choice with ``steps`` draft steps, priced on its own (what ``search`` computes for
+    every depth in one pass)."""
     n = len(cands)
     offer = []  # (tokens per second of its cost, column, request, gain, row seconds)
     fixed = 0.0
@@ -883,20 +884,21 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
     v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
     base, plain, floor = float(n), 0.05 + 0.005 * n, float(rng.choice([0.0, 10.0, 60.0]))
     depth = int(rng.integers(0, 7))
-    got = GoodputController._best_for_depths(cands, depth, base, plain, v1, floor, verify, excess)
-    assert len(got) == depth + 1
-    for steps, choice in enumerate(got):
-        want = one_depth_reference(cands, steps, base, plain, v1, floor, verify, excess)
-        assert choice.tokens == want.tokens, steps
-        assert choice.expected_tokens == pytest.approx(want.expected_tokens)
-        assert choice.expected_seconds == pytest.approx(want.expected_seconds)
+    for run in (search_arrays, search_python):
+        got = run(cands, depth, base, plain, v1, floor, verify, excess)
+        assert len(got.best) == depth + 1
+        for steps, (total, seconds, _) in enumerate(got.best):
+            want = one_depth_reference(cands, steps, base, plain, v1, floor, verify, excess)
+            assert got.tokens(steps) == want.tokens, (run, steps)
+            assert total == pytest.approx(want.expected_tokens)
+            assert seconds == pytest.approx(want.expected_seconds)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_plain_python_search_equals_the_arrays(seed):
-    """``choose`` searches a step's few dozen tokens with ``_best_in_python`` and larger ones
-    with the arrays: on random batches up to 64 requests, free and self-drafts, every depth,
-    both give the same choices."""
+    """``search`` walks a step's few dozen tokens in plain Python and prices larger searches in
+    arrays: on random batches up to 64 requests, free and self-drafts, every depth, both give
+    the same choices."""
     rng = np.random.default_rng(1000 + seed)
     n = int(rng.integers(1, 65))
     cands = []
@@ -910,13 +912,12 @@ def test_the_plain_python_search_equals_the_arrays(seed):
     v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
     depth = int(rng.integers(0, 7))
     args = (depth, float(n), 0.05 + 0.005 * n, v1, float(rng.choice([0.0, 10.0, 60.0])), verify)
-    python = GoodputController._best_in_python(cands, *args, excess)
-    arrays = GoodputController._best_for_depths(cands, *args, excess)
-    assert len(python) == len(arrays) == depth + 1
-    for fast, slow in zip(python, arrays):
-        assert fast.tokens == slow.tokens
-        assert fast.expected_tokens == pytest.approx(slow.expected_tokens)
-        assert fast.expected_seconds == pytest.approx(slow.expected_seconds)
+    python = search_python(cands, *args, excess)
+    arrays = search_arrays(cands, *args, excess)
+    assert len(python.best) == len(arrays.best) == depth + 1
+    for s, (fast, slow) in enumerate(zip(python.best, arrays.best)):
+        assert python.tokens(s) == arrays.tokens(s)
+        assert fast[:2] == pytest.approx(slow[:2])
 
 
 def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verifying_step():
@@ -926,9 +927,9 @@ def test_a_token_too_dear_alone_is_priced_with_the_prefixes_that_share_the_verif
     free = Candidate(3, np.array([0.9, 0.85, 0.8]), free=True)
     excess = [10e-3, 10e-3, 10e-3]
     args = (1.0, 0.05, 4e-3, 150.0, 0.0, excess)  # base, plain, v1, floor, verify, excess
-    got = GoodputController._best_for_depths([free], 0, *args)
-    assert got[0].tokens == one_depth_reference([free], 0, *args).tokens == [3]
-    assert GoodputController._best_in_python([free], 0, *args)[0].tokens == [3]
+    assert one_depth_reference([free], 0, *args).tokens == [3]
+    assert search_arrays([free], 0, *args).tokens(0) == [3]
+    assert search_python([free], 0, *args).tokens(0) == [3]
 
 
 def _shape_samples(deviations):

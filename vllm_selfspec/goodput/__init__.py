@@ -21,9 +21,10 @@ Its parts, one module each:
 * ``choice`` — what the controller chooses among (``Candidate``, one per request: a self-draft
   or a free lookup draft, ``prefer_free``) and what it chooses (``Choice``);
 * ``controller.GoodputController.choose`` — the draft length of every request together (0
-  allowed); and ``look_due``, whether this step's choice is worth its own cost at all (after a
-  choice that drafted nothing, one is skipped while choices save less than the proposer takes to
-  make them);
+  allowed), from ``search``'s best set of draft tokens for each number of draft steps; and
+  ``look_due``, whether this step's choice is worth its own cost at all (after a choice that
+  drafted nothing, one is skipped while choices save less than the proposer takes to make
+  them);
 * ``safety`` — the safety net (``SafetyNet``, ``PlainReference``) and ``SearchBudget``, the share
   of time that costly feedback (a plan search, shadow projections) may take.
 

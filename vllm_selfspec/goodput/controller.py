@@ -12,6 +12,7 @@ import numpy as np
 from .choice import Candidate, Choice
 from .costs import StepCostModel
 from .safety import PlainReference, SafetyNet, SearchBudget
+from .search import search
 
 
 @dataclass
@@ -171,10 +172,6 @@ class GoodputController:
         self._look_next = any(best.tokens)
 
     # ---- the choice ------------------------------------------------------------------------
-    #: the largest search (depths × tokens on offer) made in plain Python (``_best_in_python``);
-    #: above it the arrays (``_best_for_depths``) are faster
-    PYTHON_SEARCH_SIZE = 400
-
     def choose(self, cands: list[Candidate], tokens: int | None = None) -> Choice:
         """Draft lengths maximising expected emitted tokens / predicted seconds of the next step
         (``tokens``: scheduled tokens of the step without drafts, default one per candidate)."""
@@ -206,8 +203,6 @@ class GoodputController:
             return Choice([0] * n, float(n), plain, plain)
         paid, free = self.nets["paid"], self.nets["free"]
         scaled = [self._scaled(c, v1) for c in cands]
-        best = Choice([0] * n, float(n), plain, plain)
-        best_rate = n / plain
         # each token must pay for itself by the margin: a token near break-even adds nothing
         # but the risk of a wrong estimate, wherever the rest of the step stands
         floor = self._floor = (1.0 + self.margin) * base / plain
@@ -222,17 +217,20 @@ class GoodputController:
             default=0,
         )
         # the verification of m = 1.. drafts in this step, by the shapes measured or the line
-        # at most this many drafts on offer (a self-draft's first ``depth`` tokens)
+        # (at most this many drafts on offer: a self-draft's first ``depth`` tokens)
         most = sum(c.max_tokens if c.free else min(c.max_tokens, depth) for c in scaled)
         excess = self.costs.verify_excess_table(n, most)
-        # a step's few dozen tokens are searched in plain Python, several times faster there
-        search = self._best_in_python
-        if (depth + 1) * most > self.PYTHON_SEARCH_SIZE:
-            search = self._best_for_depths
-        for choice in search(scaled, depth, base, plain, v1, floor, verify, excess):
-            rate = choice.expected_tokens / choice.expected_seconds
-            if rate > best_rate and self._clears_margin(choice, base):
-                best, best_rate = choice, rate
+        found = search(scaled, depth, base, plain, v1, floor, verify, excess)
+        # the depth whose set yields the most tokens per second, above plain decoding's and by
+        # the margin (its token counts are built for it alone)
+        best_rate, taken = n / plain, -1
+        for s, (total, seconds, last) in enumerate(found.best):
+            rate = total / seconds
+            if last >= 0 and rate > best_rate and self._clears_margin(total, seconds, plain, base):
+                best_rate, taken = rate, s
+        best = Choice([0] * n, float(n), plain, plain)
+        if taken >= 0:
+            best = Choice(found.tokens(taken), *found.best[taken][:2], plain)
         best.kind = self._kind(cands, best.tokens)
         self._searched(best, base, plain)
         chosen_free = any(t and c.free for c, t in zip(cands, best.tokens))
@@ -332,15 +330,15 @@ class GoodputController:
             1.0 > floor * (v1 + c.row_seconds + share * (c.plan_seconds + verify)) for c in paid
         )
 
-    def _clears_margin(self, choice: Choice, base: float) -> bool:
+    def _clears_margin(self, tokens: float, seconds: float, plain: float, base: float) -> bool:
         """Whether a choice's expected extra tokens beat what plain decoding would emit in its
         extra seconds by ``margin``: the margin covers errors in the *speculative* part of the
         step. (A margin on the whole step's rate would ask a lone drafting request at batch 16
         to lift the whole batch's rate by 3%, which its drafts alone cannot, so nothing would
         ever draft at large batch sizes however well it pays.)"""
-        extra_seconds = choice.expected_seconds - choice.plain_seconds
-        extra_tokens = choice.expected_tokens - base
-        plain_rate = base / choice.plain_seconds
+        extra_seconds = seconds - plain
+        extra_tokens = tokens - base
+        plain_rate = base / plain
         return extra_tokens > (1.0 + self.margin) * plain_rate * extra_seconds
 
     @staticmethod
@@ -349,149 +347,6 @@ class GoodputController:
         if not drafted:
             return ""
         return "free" if all(c.free for c in drafted) else "paid"
-
-    @staticmethod
-    def _best_for_depths(
-        cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
-    ) -> list[Choice]:
-        """For each number of draft steps ``s = 0..depth``: the best set of draft tokens. Each
-        token costs its row in a draft step (unless free) and its verification; ranked by
-        expected tokens per second of its cost at the line's price ``v1`` a token, the best set
-        is a prefix of that ranking (a request's tokens come in order, since its P is
-        non-increasing and its cost per token constant), the one with the highest (tokens /
-        seconds) of the whole step. The step pays ``excess[m - 1]`` to verify m drafts
-        (``StepCostModel.verify_excess``; default the line's ``v1·m + verify``). A prefix whose
-        last token is expected to yield no more than ``floor`` tokens per second of its own cost
-        (its row, and the prefix's verification per token beyond the fixed ``verify``) is never
-        chosen, however well the others pay.
-
-        With s draft steps the tokens on offer are every free token and each self-draft's first
-        s: one ranking of all of them serves every s (a subset keeps its order), so all depths
-        are priced in one pass, a row of the arrays below per s (with 6-token self-drafts in view
-        at 8 requests, the 7 passes of one pricing each took half of a choice's time).
-
-        Example: one free draft (P 0.9, 0.5) and one self-draft (P 0.8) whose draft step costs
-        0.02 s; a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step
-        only the free tokens are on offer (3.4 tokens in 0.12 s); with one, the self-draft's
-        token too (4.2 tokens in 0.15 s: 28 tokens/s against 28.3, so ``choose`` keeps the
-        first)::
-
-            >>> free = Candidate(2, np.array([0.9, 0.5]), free=True)
-            >>> paid = Candidate(1, np.array([0.8]), 0.0, 0.02)
-            >>> for c in GoodputController._best_for_depths([free, paid], 1, 2, 0.1, 0.01):
-            ...     print(c.tokens, round(c.expected_tokens, 2), round(c.expected_seconds, 2))
-            [2, 0] 3.4 0.12
-            [2, 1] 4.2 0.15
-        """
-        n = len(cands)
-        width = max((c.max_tokens for c in cands), default=0)
-        gain = np.zeros((n, max(width, 1)))
-        cost = np.zeros(n)
-        row = np.zeros(n)
-        free = np.zeros(n, dtype=bool)
-        fixed = 0.0  # a draft step's fixed seconds: the dearest plan among the drafting rows
-        for i, c in enumerate(cands):
-            d = c.max_tokens if c.free else min(c.max_tokens, depth)
-            if d <= 0:
-                continue
-            gain[i, :d] = c.accept[:d]
-            cost[i] = v1 + c.row_seconds
-            row[i] = c.row_seconds
-            free[i] = c.free
-            if not c.free:
-                fixed = max(fixed, c.plan_seconds)
-        none = Choice([0] * n, base, plain, plain)
-        rows, cols = np.nonzero(gain > 0)
-        if rows.size == 0:
-            return [none] * (depth + 1)
-        g = gain[rows, cols]
-        order = np.lexsort((cols, -g / np.maximum(cost[rows], 1e-12)))
-        rows, cols, g, r = rows[order], cols[order], g[order], row[rows[order]]
-        # on[s, t]: token t is on offer with s draft steps
-        on = free[rows][None, :] | (cols[None, :] < np.arange(depth + 1)[:, None])
-        m = np.cumsum(on, axis=1)  # drafts in the prefix ending at t
-        if excess is None:
-            verified = v1 * m + verify
-        else:
-            table = np.asarray(excess[: len(g)], dtype=np.float64)
-            verified = table[np.maximum(m, 1) - 1]
-        steps = np.arange(depth + 1)[:, None]
-        total = base + np.cumsum(on * g, axis=1)
-        seconds = plain + steps * fixed + np.cumsum(on * r, axis=1) + verified
-        per_token = np.maximum(verified - verify, 0.0) / np.maximum(m, 1)
-        worth = on & (g > floor * (r + per_token))
-        rate = np.where(worth, total / seconds, -np.inf)
-        out = []
-        for s in range(depth + 1):
-            if not worth[s].any():
-                out.append(none)
-                continue
-            best = int(np.argmax(rate[s]))
-            tokens = np.bincount(rows[: best + 1][on[s, : best + 1]], minlength=n)
-            out.append(
-                Choice(tokens.tolist(), float(total[s, best]), float(seconds[s, best]), plain)
-            )
-        return out
-
-    @staticmethod
-    def _best_in_python(
-        cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
-    ) -> list[Choice]:
-        """``_best_for_depths`` in plain Python, the same choices (tests/unit/test_goodput.py
-        checks them against each other): the tokens ranked once, then per depth one walk along
-        the ranking over the tokens on offer. Its time grows with depths × tokens, the arrays'
-        hardly at all, but each array operation costs a microsecond or two: for a step's few
-        dozen tokens this is several times faster (``PYTHON_SEARCH_SIZE``)."""
-        offer = []  # (-tokens per second of its cost, column, request, gain, row seconds)
-        fixed = 0.0  # a draft step's fixed seconds: the dearest plan among the drafting rows
-        for i, c in enumerate(cands):
-            d = c.max_tokens if c.free else min(c.max_tokens, depth)
-            if d <= 0:
-                continue
-            if not c.free:
-                fixed = max(fixed, c.plan_seconds)
-            cost = max(v1 + c.row_seconds, 1e-12)
-            for j, g in enumerate(c.accept[:d].tolist()):
-                if g > 0:
-                    offer.append((-g / cost, j, i, g, c.row_seconds, c.free))
-        offer.sort(key=lambda t: (t[0], t[1], t[2]))
-        gains = [t[3] for t in offer]
-        rows = [t[4] for t in offer]
-        # the draft steps a token needs to be on offer, less one: a free one none (-1)
-        needs = [-1 if t[5] else t[1] for t in offer]
-        # by the drafts m in the step (m - 1): their verification, and its share per draft
-        # beyond the verifying step's fixed seconds (what a token's own cost includes)
-        if excess is None:
-            verified = [v1 * m + verify for m in range(1, len(offer) + 1)]
-        else:
-            verified = [float(x) for x in excess[: len(offer)]]
-        shares = [max(v - verify, 0.0) / m for m, v in enumerate(verified, 1)]
-        n = len(cands)
-        none = Choice([0] * n, base, plain, plain)
-        out = []
-        for s in range(depth + 1):
-            start = plain + s * fixed
-            total, row_sum, m = base, 0.0, 0
-            best_rate, last, best = -math.inf, -1, (0.0, 0.0)
-            for t, g in enumerate(gains):
-                if needs[t] >= s:  # a self-draft's token beyond s draft steps
-                    continue
-                row = rows[t]
-                total += g
-                row_sum += row
-                seconds = start + row_sum + verified[m]
-                if g > floor * (row + shares[m]) and total / seconds > best_rate:
-                    best_rate, last, best = total / seconds, t, (total, seconds)
-                m += 1
-            if last < 0:
-                out.append(none)
-                continue
-            tokens = [0] * n
-            for t in range(last + 1):
-                if needs[t] < s:
-                    tokens[offer[t][2]] += 1
-            out.append(Choice(tokens, *best, plain))
-        return out
 
     def _probe(
         self, cands: list[Candidate], best: Choice, free: bool = False, plain: float = 0.0
