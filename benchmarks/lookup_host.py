@@ -1,19 +1,26 @@
 """The host time of context lookup per engine step, offline: what `auto` adds to a step besides
 the forwards, at batch 1, 8 and 64 and contexts of 1k and 32k tokens (no engine, no model).
 
-    python benchmarks/lookup_host.py [--steps 200] [--out DIR]   # DIR/results.json, DIR/table.md
+    python benchmarks/lookup_host.py [--steps 200] [--self-drafts] [--out DIR]
+                                            # DIR/results.json, DIR/table.md
 
 Each request is a prompt of the given length (a text with repeats, as a document or code to
-edit is), then decoding: per step every request gets 1-3 new tokens (an accepted draft and the
-target's token), and the step runs what the proposer runs for a lookup step, with the same
-classes (``engine/proposer.py``: ``_lookup``, ``_candidates``, ``_control``, ``_verification``):
+edit is), then decoding: per step every request gets new tokens (its accepted drafts and the
+target's token), and the step runs what the proposer runs, with the same classes
+(``engine/proposer.py``: ``_start_step``, ``_lookup``, ``_candidates``, ``_control``,
+``_settle``, ``_verification``):
 
 * lookup: the request's tree takes its new tokens (and, while a long prompt is still being
   indexed, up to ``INDEX_BUDGET`` older ones), then it drafts, beside the tenant's outputs and
   a datastore of 50k tokens (``SharedIndex``);
 * choice: each request's acceptance estimate per slot (``AcceptanceTracker.cumulative``), its
-  candidate, and the goodput controller's choice for the batch (``GoodputController.choose``);
-* bookkeeping: each request's verification outcome (``AcceptanceTracker.observe``).
+  candidate, and the goodput controller's choice for the batch (``GoodputController.choose``).
+  With ``--self-drafts`` each request also has a self-draft of ``auto``'s length, and its
+  candidate is whichever of the two the controller would rather have (``weighed``,
+  ``prefer_free``), so that the controller searches draft steps too;
+* bookkeeping: the step's cost samples (``StepCostModel.add_target``, ``add_draft``: the model
+  is re-fitted each step, as in the engine), the controller's settlement of its last choice
+  (``settle``) and each request's verification outcome (``AcceptanceTracker.observe``).
 
 Per cell: the median microseconds per step of each part over the steps after the prompts were
 indexed (steady state), and the lookup time of the step in which a new request of that context
