@@ -44,9 +44,8 @@ class OnlineFit:
         self.xtx = [[0.0] * n for _ in range(n)]
         self.xty = [0.0] * n
         self.count = 0.0
-        self._coef: tuple[float, ...] | None = (
-            None  # solved once per sample (read several times a step)
-        )
+        #: solved once per sample (read several times a step)
+        self._coef: tuple[float, ...] | None = None
 
     def add(self, x, y: float) -> None:
         d = self.decay
