@@ -12,7 +12,7 @@ import numpy as np
 from .choice import Candidate, Choice
 from .costs import StepCostModel
 from .safety import PlainReference, SafetyNet, SearchBudget
-from .search import search
+from .search import on_offer, search
 
 
 @dataclass
@@ -217,9 +217,7 @@ class GoodputController:
             default=0,
         )
         # the verification of m = 1.. drafts in this step, by the shapes measured or the line
-        # (at most this many drafts on offer: a self-draft's first ``depth`` tokens)
-        most = sum(c.max_tokens if c.free else min(c.max_tokens, depth) for c in scaled)
-        excess = self.costs.verify_excess_table(n, most)
+        excess = self.costs.verify_excess_table(n, on_offer(scaled, depth))
         found = search(scaled, depth, base, plain, v1, floor, verify, excess)
         # the depth whose set yields the most tokens per second, above plain decoding's and by
         # the margin (its token counts are built for it alone)

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 
 #: the largest search (depths × tokens on offer) made in plain Python (``search_python``); above
-#: it the arrays (``search_arrays``) are faster
-PYTHON_SEARCH_SIZE = 400
+#: it the arrays (``search_arrays``) are faster (on this project's CPU the two took about as long
+#: at 200-300: 4 to 8 requests with 6-token self-drafts in view)
+PYTHON_SEARCH_SIZE = 200
 
 
 @dataclass
@@ -88,13 +89,19 @@ def _offer(cands, depth, v1) -> tuple[list[tuple], float]:
     return offer, fixed
 
 
+def on_offer(cands, depth) -> int:
+    """The most draft tokens on offer at ``depth`` draft steps: every free token and each
+    self-draft's first ``depth`` (what the verification prices must cover)."""
+    return sum(c.max_tokens if c.free else min(c.max_tokens, depth) for c in cands)
+
+
 def search(
     cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
 ) -> Depths:
     """Every depth's best set (``base``: the step's tokens without drafts; ``plain``: its
     seconds), in plain Python or arrays by the search's size."""
-    most = sum(c.max_tokens if c.free else min(c.max_tokens, depth) for c in cands)
-    run = search_python if (depth + 1) * most <= PYTHON_SEARCH_SIZE else search_arrays
+    size = (depth + 1) * on_offer(cands, depth)
+    run = search_python if size <= PYTHON_SEARCH_SIZE else search_arrays
     return run(cands, depth, base, plain, v1, floor, verify, excess)
 
 
