@@ -41,19 +41,12 @@ class AcceptanceTracker:
         if drafted <= 0:
             return
         reached = min(accepted + 1, drafted)  # drafts whose predecessors were all accepted
-        if slots is None:  # draft j in slot j
-            tried = np.zeros(self.k)
-            tried[:reached] = 1.0
-            hits = np.zeros(self.k)
-            hits[:accepted] = 1.0
-        else:  # a slot may take several drafts of one verification
-            tried = np.bincount(slots[:reached], minlength=self.k)
-            hits = np.bincount(slots[:accepted], minlength=self.k)
+        slots = np.arange(drafted) if slots is None else np.asarray(slots[:drafted])
         for r, d in ((state, self.decay), (self.all, 0.995)):
             r.tried *= d
-            r.tried += tried
             r.accepted *= d
-            r.accepted += hits
+            np.add.at(r.tried, slots[:reached], 1.0)
+            np.add.at(r.accepted, slots[:accepted], 1.0)
         self._batch = None
         self._version += 1
 
