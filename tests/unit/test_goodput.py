@@ -1,5 +1,6 @@
 """The goodput controller (vllm_selfspec/goodput/) on synthetic costs and acceptance curves."""
 
+import doctest
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ from vllm_selfspec.goodput import (
     StepCostModel,
     prefer_free,
 )
+from vllm_selfspec.goodput import search as search_module
 from vllm_selfspec.goodput.search import search_arrays, search_python
 
 
@@ -892,6 +894,12 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
             assert got.tokens(steps) == want.tokens, (run, steps)
             assert total == pytest.approx(want.expected_tokens)
             assert seconds == pytest.approx(want.expected_seconds)
+
+
+def test_the_search_modules_worked_example_holds():
+    """The example in ``goodput/search.py``'s docstring (a free and a self-draft, one depth)."""
+    result = doctest.testmod(search_module)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize("seed", range(40))
