@@ -17,6 +17,7 @@ from vllm_selfspec.goodput import (
     StepCostModel,
     prefer_free,
 )
+from vllm_selfspec.goodput import acceptance as acceptance_module
 from vllm_selfspec.goodput import search as search_module
 from vllm_selfspec.goodput.search import search_arrays, search_python
 
@@ -896,9 +897,11 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
             assert seconds == pytest.approx(want.expected_seconds)
 
 
-def test_the_search_modules_worked_example_holds():
-    """The example in ``goodput/search.py``'s docstring (a free and a self-draft, one depth)."""
-    result = doctest.testmod(search_module)
+@pytest.mark.parametrize("module", [search_module, acceptance_module], ids=lambda m: m.__name__)
+def test_the_goodput_modules_worked_examples_hold(module):
+    """The examples in the docstrings of ``goodput/search.py`` (a free and a self-draft, one
+    depth) and ``goodput/acceptance.py`` (one request's rates)."""
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -986,3 +989,36 @@ def test_a_preempted_choice_does_not_make_the_next_ones_look_dear():
         drafted.append(choice is not None and any(choice.tokens) and not choice.probe)
     assert all(made)
     assert sum(drafted) >= 95
+
+
+def test_acceptance_counts_scaled_lazily_equal_counts_decayed_every_observation():
+    """The tracker decays a request's counts by one multiply of their scale and rescales them
+    long before 1 / scale overflows: over thousands of observations of one request (past a
+    rescale at decay 0.9) its rates equal those of counts decayed in full at every
+    observation."""
+    rng = np.random.default_rng(0)
+    k, decay, w, prior = 6, 0.9, 2.0, 0.5
+    t = AcceptanceTracker(k, decay=decay, weight=w, prior=prior)
+    s = t.new_state()
+    tried, acc = np.zeros(k), np.zeros(k)  # the request's counts, decayed in full
+    all_tried, all_acc = np.zeros(k), np.zeros(k)
+    for step in range(5000):
+        drafted = int(rng.integers(1, k + 1))
+        accepted = int(rng.integers(0, drafted + 1))
+        slots = rng.integers(0, k, drafted)
+        t.observe(s, drafted, accepted, slots)
+        reached = min(accepted + 1, drafted)
+        for counts, d in (((tried, acc), decay), ((all_tried, all_acc), 0.995)):
+            counts[0][:] *= d
+            counts[1][:] *= d
+            np.add.at(counts[0], slots[:reached], 1.0)
+            np.add.at(counts[1], slots[:accepted], 1.0)
+        if step % 97 == 0:
+            overall = (all_acc.sum() + w * prior) / (all_tried.sum() + w)
+            batch = (all_acc + w * overall) / (all_tried + w)
+            want = (acc + w * batch) / (tried + w)
+            assert t.conditional(s) == pytest.approx(want, rel=1e-9)
+            assert t.cumulative(s, 3, slots[:3] if drafted >= 3 else None) == pytest.approx(
+                np.cumprod(want[slots[:3]] if drafted >= 3 else want[:3]), rel=1e-9
+            )
+    assert s.scale > 0.0 and s.tried == pytest.approx(tried, rel=1e-9)

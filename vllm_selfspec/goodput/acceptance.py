@@ -3,37 +3,75 @@ drafts before it accepted), decayed and shrunk towards the batch-wide figure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 
-@dataclass
 class _Rates:
-    tried: np.ndarray
-    accepted: np.ndarray
-    #: ``AcceptanceTracker.conditional`` of these rates, as of the tracker's observation
-    #: ``version`` (a step without verified drafts reads every request's again unchanged)
-    cond: np.ndarray | None = None
-    version: int = -1
+    """Decayed counts per slot, kept as ``stored * scale``: decaying every slot is one multiply
+    of ``scale``, and an observation touches only the slots it counts (a step observes every
+    request, over dozens of lookup slots, in plain Python)."""
+
+    #: below this ``scale`` the stored counts are rescaled (before 1 / scale could overflow)
+    RESCALE_BELOW = 1e-100
+
+    def __init__(self, slots: int) -> None:
+        self.scale = 1.0
+        self.stored_tried = [0.0] * slots
+        self.stored_accepted = [0.0] * slots
+        self.stored_tried_sum = 0.0
+        self.stored_accepted_sum = 0.0
+
+    def decay(self, d: float) -> float:
+        """Decays every count by ``d``; returns what a count of 1 is stored as now."""
+        self.scale *= d
+        if self.scale < self.RESCALE_BELOW:
+            s = self.scale
+            self.stored_tried = [v * s for v in self.stored_tried]
+            self.stored_accepted = [v * s for v in self.stored_accepted]
+            self.stored_tried_sum *= s
+            self.stored_accepted_sum *= s
+            self.scale = 1.0
+        return 1.0 / self.scale
+
+    @property
+    def tried(self) -> np.ndarray:
+        """The decayed count of drafts judged, per slot."""
+        return np.array(self.stored_tried) * self.scale
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """The decayed count of drafts accepted, per slot."""
+        return np.array(self.stored_accepted) * self.scale
 
 
 class AcceptanceTracker:
     """P(a draft token is accepted | the drafts before it were), per request and *slot*, from
     verification outcomes: decayed per request, shrunk towards the batch-wide figure of the slot,
     itself shrunk towards the batch-wide overall rate. A slot is the draft position (1..k) for
-    self-drafts, the slot (``lookup.slot``: source, match length, estimate) for context-lookup drafts."""
+    self-drafts, the slot (``lookup.slot``: source, match length, estimate) for context-lookup
+    drafts.
+
+    Example: one request whose first draft was accepted and second rejected, twice. Its P of
+    the first slot, 1 in its own counts, is shrunk towards the batch's (the same request here,
+    itself shrunk towards the overall 0.5); the second's P is near 0, and the cumulative
+    product is P(both accepted)::
+
+        >>> t = AcceptanceTracker(3, decay=1.0, weight=1.0)
+        >>> s = t.new_state()
+        >>> t.observe(s, drafted=2, accepted=1)
+        >>> t.observe(s, drafted=2, accepted=1)
+        >>> t.cumulative(s, 2).round(3).tolist()
+        [0.944, 0.053]
+    """
 
     def __init__(
         self, slots: int, decay: float = 0.9, weight: float = 2.0, prior: float = 0.5
     ) -> None:
         self.k, self.decay, self.weight, self.prior = slots, decay, weight, prior
-        self.all = _Rates(np.zeros(slots), np.zeros(slots))
-        self._batch: np.ndarray | None = None  # the batch-wide rates, once per observation
-        self._version = 0  # observations so far (every request's rates move with the batch's)
+        self.all = _Rates(slots)
 
     def new_state(self) -> _Rates:
-        return _Rates(np.zeros(self.k), np.zeros(self.k))
+        return _Rates(self.k)
 
     def observe(self, state: _Rates, drafted: int, accepted: int, slots=None) -> None:
         """One verification: the first ``accepted`` of ``drafted`` drafts were accepted; draft j
@@ -41,30 +79,42 @@ class AcceptanceTracker:
         if drafted <= 0:
             return
         reached = min(accepted + 1, drafted)  # drafts whose predecessors were all accepted
-        slots = np.arange(drafted) if slots is None else np.asarray(slots[:drafted])
+        slots = range(drafted) if slots is None else [int(s) for s in slots[:drafted]]
         for r, d in ((state, self.decay), (self.all, 0.995)):
-            r.tried *= d
-            r.accepted *= d
-            np.add.at(r.tried, slots[:reached], 1.0)
-            np.add.at(r.accepted, slots[:accepted], 1.0)
-        self._batch = None
-        self._version += 1
+            one = r.decay(d)
+            tried, acc = r.stored_tried, r.stored_accepted
+            for s in slots[:reached]:
+                tried[s] += one
+            for s in slots[:accepted]:
+                acc[s] += one
+            r.stored_tried_sum += one * reached
+            r.stored_accepted_sum += one * accepted
+
+    def _overall(self) -> float:
+        a, w = self.all, self.weight
+        return (a.stored_accepted_sum * a.scale + w * self.prior) / (
+            a.stored_tried_sum * a.scale + w
+        )
 
     def conditional(self, state: _Rates) -> np.ndarray:
-        """P(accepted | the drafts before it accepted) per slot (read-only: shared until the
-        next observation)."""
-        if state.version == self._version:
-            return state.cond
-        w = self.weight
-        if self._batch is None:  # read by every request of a step: solved once per observation
-            overall = (self.all.accepted.sum() + w * self.prior) / (self.all.tried.sum() + w)
-            self._batch = (self.all.accepted + w * overall) / (self.all.tried + w)
-        state.cond = (state.accepted + w * self._batch) / (state.tried + w)
-        state.cond.setflags(write=False)
-        state.version = self._version
-        return state.cond
+        """P(accepted | the drafts before it accepted) per slot."""
+        return np.array(self._cumulative(state, self.k, None, cumulative=False))
 
     def cumulative(self, state: _Rates, n: int, slots=None) -> np.ndarray:
         """P(drafts 1..j all accepted) for j = 1..n, draft j in ``slots[j]`` (default j)."""
-        cond = self.conditional(state)
-        return np.cumprod(cond[:n] if slots is None else cond[np.asarray(slots[:n])])
+        return np.array(self._cumulative(state, n, slots, cumulative=True))
+
+    def _cumulative(self, state: _Rates, n: int, slots, cumulative: bool) -> list[float]:
+        a, w = self.all, self.weight
+        wo = w * self._overall()
+        sa, ss = a.scale, state.scale
+        at, aa = a.stored_tried, a.stored_accepted
+        st, sac = state.stored_tried, state.stored_accepted
+        out, p = [], 1.0
+        for j in range(n):
+            s = j if slots is None else int(slots[j])
+            batch = (aa[s] * sa + wo) / (at[s] * sa + w)
+            q = (sac[s] * ss + w * batch) / (st[s] * ss + w)
+            p = p * q if cumulative else q
+            out.append(p)
+        return out

@@ -229,9 +229,9 @@ class GoodputController:
         best = Choice([0] * n, float(n), plain, plain)
         if taken >= 0:
             best = Choice(found.tokens(taken), *found.best[taken][:2], plain)
-        best.kind = self._kind(cands, best.tokens)
+            best.kind = self._kind(cands, best.tokens)
         self._searched(best, base, plain)
-        chosen_free = any(t and c.free for c, t in zip(cands, best.tokens))
+        chosen_free = bool(best.kind) and any(t and c.free for c, t in zip(cands, best.tokens))
         self._since_skipped_probe += 1
         if best.kind != "paid" and paid.open and self._probe_idle() + 1 >= self._probe_interval:
             # self-drafts have not run for a while: probe, unless no self-draft could pay
@@ -270,8 +270,10 @@ class GoodputController:
     def _scaled(self, c: Candidate, v1: float) -> Candidate:
         """A candidate as the choice prices it: none of a paused kind of draft; each kind's
         estimates scaled by its record (``SafetyNet``'s calibrations)."""
+        if c.max_tokens == 0:  # nothing to price
+            return c
         net = self.nets["free" if c.free else "paid"]
-        if not net.open or c.max_tokens <= 0:
+        if not net.open or c.max_tokens < 0:
             return Candidate(0, c.accept, free=c.free)
         # the measured/predicted extra seconds scale a token's whole cost, its verification
         # (v1) included: as a row cost, so that a lookup draft's is scaled too

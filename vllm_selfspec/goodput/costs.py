@@ -349,8 +349,8 @@ class StepCostModel:
         """``verify_excess(requests, d)`` for d = 1..most (what the controller prices a step's
         drafts by, every step)."""
         line = self.target_line()
-        if line is None:
-            return [0.0] * most
+        if line is None or most <= 0:
+            return [0.0] * max(most, 0)
         return self._excess(line, self._shape_table(), int(requests), 1, most)
 
     def _shape_table(self) -> dict:
@@ -368,27 +368,21 @@ class StepCostModel:
             seen = get((r, d))
             if seen is not None:
                 shrunk[d] = self._shrunk(seen, line, d, noise)
-        out = [max(0.0, a * d + b) for d in range(lo, hi + 1)]
         if not shrunk:
-            return out
-        below: dict[int, int] = {}  # d -> the nearest measured draft count below it, in reach
-        above: dict[int, int] = {}
-        measured = sorted(shrunk)
-        for n in measured:
-            for step in range(1, reach + 1):
-                below[n + step] = n
-        for n in reversed(measured):
-            for step in range(1, reach + 1):
-                above[n - step] = n
-        for d in range(max(lo, measured[0] - reach), min(hi, measured[-1] + reach) + 1):
-            if d in shrunk:
-                out[d - lo] = max(0.0, shrunk[d])
-                continue
-            residuals = [
-                shrunk[n] - (a * n + b) for n in (below.get(d), above.get(d)) if n is not None
-            ]
-            if residuals:
-                out[d - lo] = max(0.0, a * d + b + sum(residuals) / len(residuals))
+            return [max(0.0, a * d + b) for d in range(lo, hi + 1)]
+        out = []
+        for d in range(lo, hi + 1):
+            price = shrunk.get(d)
+            if price is None:
+                residuals = []
+                for nearest in (range(d - 1, d - reach - 1, -1), range(d + 1, d + reach + 1)):
+                    n = next((n for n in nearest if n in shrunk), None)  # below, then above
+                    if n is not None:
+                        residuals.append(shrunk[n] - (a * n + b))
+                price = a * d + b
+                if residuals:
+                    price = a * d + b + sum(residuals) / len(residuals)
+            out.append(max(0.0, price))
         return out
 
     def noise(self) -> float:

@@ -124,16 +124,14 @@ class SafetyNet:
         self.idle = 0 if ran else self.idle + 1
         if self.paused > 0:
             self.paused -= 1
-        for name in (
-            "steps",
-            "tokens",
-            "plain_tokens",
-            "pred_extra",
-            "real_extra",
-            "pred_cost",
-            "real_cost",
-        ):
-            setattr(self, name, self.DECAY * getattr(self, name))
+        d = self.DECAY  # every step, every kind: spelt out (a loop over getattr took 3 µs)
+        self.steps *= d
+        self.tokens *= d
+        self.plain_tokens *= d
+        self.pred_extra *= d
+        self.real_extra *= d
+        self.pred_cost *= d
+        self.real_cost *= d
 
 
 @dataclass

@@ -85,7 +85,7 @@ def _offer(cands, depth, v1) -> tuple[list[tuple], float]:
         for j, g in enumerate(c.accept[:d].tolist()):
             if g > 0:
                 offer.append((-g / cost, j, i, g, c.row_seconds, c.free))
-    offer.sort(key=lambda t: (t[0], t[1], t[2]))  # stable: ties by column, then request
+    offer.sort()  # ties by column, then request ((column, request) is unique)
     return offer, fixed
 
 
@@ -100,7 +100,10 @@ def search(
 ) -> Depths:
     """Every depth's best set (``base``: the step's tokens without drafts; ``plain``: its
     seconds), in plain Python or arrays by the search's size."""
-    size = (depth + 1) * on_offer(cands, depth)
+    offered = on_offer(cands, depth)
+    if offered == 0:  # nothing to choose from (the common step without a match)
+        return Depths(len(cands), [], [], [(base, plain, -1)] * (depth + 1))
+    size = (depth + 1) * offered
     run = search_python if size <= PYTHON_SEARCH_SIZE else search_arrays
     return run(cands, depth, base, plain, v1, floor, verify, excess)
 
