@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         choices=["adadecode", "cascade", "feature"],
         help="feature: exits that also read the final layer's output at the verified position "
-        "(docs/heads.md, 'Feature heads'; trained and evaluated here, no method drafts with "
-        "them yet)",
+        "(docs/heads.md, 'Feature heads'; the method 'feature' drafts with them, and 'auto' "
+        "prefers them when cached)",
     )
     p.add_argument(
         "--layers",

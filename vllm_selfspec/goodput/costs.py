@@ -368,21 +368,23 @@ class StepCostModel:
             seen = get((r, d))
             if seen is not None:
                 shrunk[d] = self._shrunk(seen, line, d, noise)
+        out = [max(0.0, a * d + b) for d in range(lo, hi + 1)]
         if not shrunk:
-            return [max(0.0, a * d + b) for d in range(lo, hi + 1)]
-        out = []
-        for d in range(lo, hi + 1):
+            return out
+        # only draft counts within reach of a measured shape differ from the line
+        for d in range(max(lo, min(shrunk) - reach), min(hi, max(shrunk) + reach) + 1):
             price = shrunk.get(d)
             if price is None:
                 residuals = []
                 for nearest in (range(d - 1, d - reach - 1, -1), range(d + 1, d + reach + 1)):
-                    n = next((n for n in nearest if n in shrunk), None)  # below, then above
-                    if n is not None:
-                        residuals.append(shrunk[n] - (a * n + b))
-                price = a * d + b
-                if residuals:
-                    price = a * d + b + sum(residuals) / len(residuals)
-            out.append(max(0.0, price))
+                    for n in nearest:  # the nearest below, then the nearest above
+                        if n in shrunk:
+                            residuals.append(shrunk[n] - (a * n + b))
+                            break
+                if not residuals:
+                    continue
+                price = a * d + b + sum(residuals) / len(residuals)
+            out[d - lo] = max(0.0, price)
         return out
 
     def noise(self) -> float:
