@@ -282,7 +282,7 @@ class GoodputController:
             return c
         return Candidate(
             c.max_tokens,
-            a * c.accept,
+            c.accept if a == 1.0 else a * c.accept,
             t * c.row_seconds + (t - 1.0) * v1,
             t * c.plan_seconds,
             c.free,
