@@ -37,6 +37,7 @@ Worked example (``max_depth=8``, factor 1, minimum estimate 0.1)::
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 
@@ -126,7 +127,7 @@ def check_options(options) -> dict:
 def slot(shared: bool, match_len: int, estimate: float) -> int:
     """A draft token's slot: its source, its match's length and its conditional estimate."""
     m = min(max(match_len, 1).bit_length() - 1, MATCH_BUCKETS - 1)
-    e = sum(estimate >= b for b in ESTIMATE_BUCKETS)
+    e = bisect_right(ESTIMATE_BUCKETS, estimate) if estimate >= 0.0 else 0  # buckets reached
     return shared * SOURCE_SLOTS + m * (len(ESTIMATE_BUCKETS) + 1) + e
 
 

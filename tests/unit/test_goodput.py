@@ -13,11 +13,13 @@ from vllm_selfspec.goodput import (
     GoodputController,
     OnlineFit,
     PlainReference,
+    SafetyNet,
     SearchBudget,
     StepCostModel,
     prefer_free,
 )
 from vllm_selfspec.goodput import acceptance as acceptance_module
+from vllm_selfspec.goodput import safety as safety_module
 from vllm_selfspec.goodput import search as search_module
 from vllm_selfspec.goodput.search import search_arrays, search_python
 
@@ -897,10 +899,13 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
             assert seconds == pytest.approx(want.expected_seconds)
 
 
-@pytest.mark.parametrize("module", [search_module, acceptance_module], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [search_module, acceptance_module, safety_module], ids=lambda m: m.__name__
+)
 def test_the_goodput_modules_worked_examples_hold(module):
     """The examples in the docstrings of ``goodput/search.py`` (a free and a self-draft, one
-    depth) and ``goodput/acceptance.py`` (one request's rates)."""
+    depth), ``goodput/acceptance.py`` (one request's rates) and ``goodput/safety.py`` (a
+    safety net's record decaying)."""
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
@@ -1022,3 +1027,75 @@ def test_acceptance_counts_scaled_lazily_equal_counts_decayed_every_observation(
                 np.cumprod(want[slots[:3]] if drafted >= 3 else want[:3]), rel=1e-9
             )
     assert s.scale > 0.0 and s.tried == pytest.approx(tried, rel=1e-9)
+
+
+def test_acceptance_reads_between_observations_see_every_observation():
+    """A step reads every request's rates, and the batch-wide figure of a slot is computed once
+    for all of them until the next observation: interleaved observations and reads of two
+    requests give what a tracker given the same observations returns when read only once."""
+    rng = np.random.default_rng(1)
+    k = 6
+    t = AcceptanceTracker(k)
+    states = [t.new_state(), t.new_state()]
+    history = []
+    for _ in range(300):
+        i = int(rng.integers(0, 2))
+        drafted = int(rng.integers(1, k + 1))
+        accepted = int(rng.integers(0, drafted + 1))
+        slots = [int(s) for s in rng.integers(0, k, drafted)]
+        t.observe(states[i], drafted, accepted, slots)
+        history.append((i, drafted, accepted, slots))
+        got = [t.cumulative(s, 3, [0, 2, 4]) for s in states]  # both read after each
+        fresh = AcceptanceTracker(k)
+        fresh_states = [fresh.new_state(), fresh.new_state()]
+        for j, d, a, sl in history:
+            fresh.observe(fresh_states[j], d, a, sl)
+        for g, s in zip(got, fresh_states):
+            assert g == pytest.approx(fresh.cumulative(s, 3, [0, 2, 4]), rel=1e-12)
+
+
+def test_a_safety_nets_sums_scaled_lazily_equal_sums_decayed_every_step(monkeypatch):
+    """A safety net decays its record by one multiply of a scale per step, rescaling its sums
+    long before 1 / scale overflows (here every few dozen steps): over thousands of steps of
+    records, ticks and pauses, its verdicts and calibrations equal those of sums decayed in full
+    every step."""
+    monkeypatch.setattr(SafetyNet, "RESCALE_BELOW", 0.8)
+    rng = np.random.default_rng(0)
+    net = SafetyNet(pause=8, max_pause=64)
+    d = SafetyNet.DECAY
+    ref = dict.fromkeys(("steps", "tokens", "plain", "pe", "re", "pc", "rc"), 0.0)
+    paused, pause = 0, 8
+    for _ in range(5000):
+        if not paused and rng.random() < 0.5:
+            requests = int(rng.integers(1, 9))
+            emitted = requests + int(rng.integers(0, 3 * requests + 1))
+            plain, seconds = 0.05, float(rng.uniform(0.04, 0.09))
+            choice = Choice([1] * requests, requests * 1.5, 0.06, plain, scale=1.2)
+            net.record(choice, emitted, requests, seconds, plain)
+            ref["steps"] += 1.0
+            ref["tokens"] += emitted
+            ref["plain"] += requests * seconds / plain
+            ref["pe"] += choice.expected_tokens - requests
+            ref["re"] += emitted - requests
+            ref["pc"] += (choice.expected_seconds - plain) / choice.scale
+            ref["rc"] += max(0.0, seconds - plain)
+            achieved = ref["tokens"] / ref["plain"]
+            if ref["steps"] >= SafetyNet.MIN_STEPS:
+                if achieved < 1.0:
+                    paused, pause = pause, min(2 * pause, 64)
+                    ref = dict.fromkeys(ref, 0.0)
+                else:
+                    pause = max(pause // 2, 1)
+        ran = rng.random() < 0.5
+        net.tick(ran)
+        paused = max(paused - 1, 0)
+        ref = {key: v * d for key, v in ref.items()}
+        assert net.paused == paused and net.pause == pause
+        assert net.steps == pytest.approx(ref["steps"], rel=1e-9, abs=1e-12)
+        want = ref["tokens"] / ref["plain"] if ref["plain"] > 0 else 1.0
+        assert net.achieved == pytest.approx(want, rel=1e-9)
+        time_cal = 1.0
+        if ref["steps"] >= SafetyNet.MIN_STEPS and ref["pc"] > 0:
+            time_cal = min(4.0, max(0.8, ref["rc"] / ref["pc"]))
+        token_cal = 1.0 if ref["pe"] < 2.0 else min(1.25, max(0.25, ref["re"] / ref["pe"]))
+        assert net.calibrations() == pytest.approx((time_cal, token_cal), rel=1e-9)

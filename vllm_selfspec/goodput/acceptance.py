@@ -69,6 +69,10 @@ class AcceptanceTracker:
     ) -> None:
         self.k, self.decay, self.weight, self.prior = slots, decay, weight, prior
         self.all = _Rates(slots)
+        #: per slot its batch-wide P (the same for every request), computed when first read
+        #: after an observation (a step reads it for every request)
+        self._batch: list[float | None] = [None] * slots
+        self._shrink: float | None = None  # weight x the overall rate, likewise
 
     def new_state(self) -> _Rates:
         return _Rates(self.k)
@@ -79,6 +83,7 @@ class AcceptanceTracker:
         if drafted <= 0:
             return
         reached = min(accepted + 1, drafted)  # drafts whose predecessors were all accepted
+        self._batch, self._shrink = [None] * self.k, None
         slots = range(drafted) if slots is None else [int(s) for s in slots[:drafted]]
         for r, d in ((state, self.decay), (self.all, 0.995)):
             one = r.decay(d)
@@ -106,15 +111,20 @@ class AcceptanceTracker:
 
     def _cumulative(self, state: _Rates, n: int, slots, cumulative: bool) -> list[float]:
         a, w = self.all, self.weight
-        wo = w * self._overall()
-        sa, ss = a.scale, state.scale
-        at, aa = a.stored_tried, a.stored_accepted
-        st, sac = state.stored_tried, state.stored_accepted
+        batch = self._batch
+        ss, st, sac = state.scale, state.stored_tried, state.stored_accepted
         out, p = [], 1.0
         for j in range(n):
-            s = j if slots is None else int(slots[j])
-            batch = (aa[s] * sa + wo) / (at[s] * sa + w)
-            q = (sac[s] * ss + w * batch) / (st[s] * ss + w)
+            s = j if slots is None else slots[j]
+            b = batch[s]
+            if b is None:  # the slot's batch-wide P, shrunk towards the overall rate
+                wo = self._shrink
+                if wo is None:
+                    wo = self._shrink = w * self._overall()
+                b = batch[s] = (a.stored_accepted[s] * a.scale + wo) / (
+                    a.stored_tried[s] * a.scale + w
+                )
+            q = (sac[s] * ss + w * b) / (st[s] * ss + w)
             p = p * q if cumulative else q
             out.append(p)
         return out

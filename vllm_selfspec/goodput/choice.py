@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """One request's draft options this step."""
 
@@ -32,7 +32,7 @@ def prefer_free(free: Candidate, paid: Candidate, verify_seconds: float) -> bool
     return float(free.accept[0]) * paid_cost >= float(paid.accept[0]) * verify_seconds
 
 
-@dataclass
+@dataclass(slots=True)
 class Choice:
     tokens: list[int]  # draft length per candidate
     expected_tokens: float  # expected emitted tokens of the next step

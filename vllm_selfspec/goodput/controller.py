@@ -237,8 +237,9 @@ class GoodputController:
             # self-drafts have not run for a while: probe, unless no self-draft could pay
             # even if every one were accepted (a probe would only cost; the next is as late);
             # once probes are as rare as they get, probe anyway: a probe also re-measures the
-            # draft step's cost, which the verdict rests on
-            if (
+            # draft step's cost, which the verdict rests on. A step without a self-draft on
+            # offer has nothing to probe: skipped alike
+            if any(c.max_tokens > 0 and not c.free for c in cands) and (
                 self._could_pay(cands, floor, v1, verify)
                 or self._probe_interval >= self.max_probe_every
             ):
@@ -273,11 +274,11 @@ class GoodputController:
         if c.max_tokens == 0:  # nothing to price
             return c
         net = self.nets["free" if c.free else "paid"]
-        if not net.open or c.max_tokens < 0:
+        if net.paused > 0 or c.max_tokens < 0:  # paused (``SafetyNet.open``)
             return Candidate(0, c.accept, free=c.free)
         # the measured/predicted extra seconds scale a token's whole cost, its verification
         # (v1) included: as a row cost, so that a lookup draft's is scaled too
-        t, a = net.time_calibration(), net.token_calibration()
+        t, a = net.calibrations()
         if t == 1.0 and a == 1.0:  # no record yet: the estimates as they are
             return c
         return Candidate(

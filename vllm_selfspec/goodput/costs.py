@@ -370,15 +370,19 @@ class StepCostModel:
         """``verify_excess(r, d)`` for d = lo..hi: the shapes of r measured in reach of them,
         shrunk towards the line, looked up once; each unmeasured d within reach of them gets the
         mean residual of the nearest below and the nearest above."""
-        reach = self.SHAPE_REACH
+        reach, w = self.SHAPE_REACH, self.SHAPE_PRIOR_WEIGHT
         a, b = line[2], line[3]
-        get, noise = shapes.get, self.noise()
+        get, noise = shapes.get, max(self.noise(), 0.0)
         shrunk = {}
         for d in range(max(1, lo - reach), hi + reach + 1):
             seen = get((r, d))
-            if seen is not None:
-                shrunk[d] = self._shrunk(seen, line, d, noise)
-        out = [max(0.0, a * d + b) for d in range(lo, hi + 1)]
+            if seen is not None:  # ``_shrunk``, spelt out (every step, for each shape in reach)
+                n = seen[1] + w
+                shrunk[d] = (seen[0] + w * (a * d + b)) / n + math.sqrt(noise / n)
+        if a >= 0.0 and b >= 0.0:  # as the line is solved: no price below 0
+            out = [a * d + b for d in range(lo, hi + 1)]
+        else:  # a frozen line from elsewhere
+            out = [max(0.0, a * d + b) for d in range(lo, hi + 1)]
         if not shrunk:
             return out
         # only draft counts within reach of a measured shape differ from the line

@@ -40,10 +40,10 @@ class PlainReference:
 
     def seconds(self, predicted: float) -> float:
         """A plain cycle's seconds where the target line predicts ``predicted``."""
-        return max(0.5 * predicted, predicted + self.overhead)
+        overhead = self.over / self.count if self.count > 0 else 0.0  # ``overhead``
+        return max(0.5 * predicted, predicted + overhead)
 
 
-@dataclass
 class SafetyNet:
     """The measured record of one kind of speculative step (self-drafts or lookup drafts only):
 
@@ -55,36 +55,60 @@ class SafetyNet:
       draft pauses for ``pause`` steps (doubling each time, up to a cap) and then starts afresh.
 
     The sums decay every engine step, whether this kind ran or not, so old evidence fades: a
-    kind judged on a workload that has since changed gets tried again.
+    kind judged on a workload that has since changed gets tried again. They are kept as
+    ``stored * scale`` (as ``acceptance._Rates`` keeps its counts): a step's decay of all seven
+    is one multiply of ``scale``, and the ratios (``achieved``, the calibrations) need no scale.
+
+    Example: one step that emitted 3 tokens where plain decoding would have emitted 2 in its
+    seconds, then 10 steps without this kind::
+
+        >>> net = SafetyNet(pause=32, max_pause=1024)
+        >>> net.record(Choice([2], 3.0, 0.2, 0.1), emitted=3, requests=1, seconds=0.2, plain=0.1)
+        >>> for _ in range(10):
+        ...     net.tick(False)
+        >>> round(net.achieved, 3), round(net.steps, 4), net.idle
+        (1.5, 0.9511, 10)
     """
 
     MIN_STEPS = 12.0
     DECAY = 0.995
-    pause: int
-    max_pause: int
-    paused: int = 0  # steps left in the current pause
-    idle: int = 0  # steps since this kind last ran
-    steps: float = 0.0  # decayed count of this kind's steps
-    tokens: float = 0.0  # their emitted tokens
-    plain_tokens: float = 0.0  # what plain decoding would have emitted in their seconds
-    pred_extra: float = 0.0  # predicted / achieved extra tokens (over one per request)
-    real_extra: float = 0.0
-    pred_cost: float = 0.0  # predicted / achieved extra seconds (over the plain step's)
-    real_cost: float = 0.0
+    #: below this ``scale`` the stored sums are rescaled (before 1 / scale could overflow)
+    RESCALE_BELOW = 1e-100
+
+    def __init__(self, pause: int, max_pause: int) -> None:
+        self.pause, self.max_pause = pause, max_pause
+        self.paused = 0  # steps left in the current pause
+        self.idle = 0  # steps since this kind last ran
+        self._reset()
+
+    def _reset(self) -> None:
+        self.scale = 1.0
+        # decayed sums, each stored divided by ``scale``: this kind's steps; their emitted
+        # tokens; what plain decoding would have emitted in their seconds; predicted and
+        # achieved extra tokens (over one per request); predicted and achieved extra seconds
+        # (over the plain step's)
+        self._steps = self._tokens = self._plain_tokens = 0.0
+        self._pred_extra = self._real_extra = self._pred_cost = self._real_cost = 0.0
+        self._calibrations: tuple[float, float] | None = None
+
+    @property
+    def steps(self) -> float:
+        """The decayed count of this kind's steps."""
+        return self._steps * self.scale
 
     @property
     def achieved(self) -> float:
         """Tokens per second of this kind's steps over plain decoding's (1 with no evidence)."""
-        return self.tokens / self.plain_tokens if self.plain_tokens > 0 else 1.0
+        return self._tokens / self._plain_tokens if self._plain_tokens > 0 else 1.0
 
     @property
     def open(self) -> bool:
         return self.paused <= 0
 
     def token_calibration(self) -> float:
-        if self.pred_extra < 2.0:
+        if self._pred_extra * self.scale < 2.0:
             return 1.0
-        return min(1.25, max(0.25, self.real_extra / self.pred_extra))
+        return min(1.25, max(0.25, self._real_extra / self._pred_extra))
 
     #: the range of the time calibration. Below 1 it says the cost model prices these steps
     #: dearer than whole cycles measure them; lookup steps sat at a floor of 0.8 for whole runs
@@ -94,29 +118,39 @@ class SafetyNet:
     TIME_CALIBRATION = (0.8, 4.0)
 
     def time_calibration(self) -> float:
-        if self.steps < self.MIN_STEPS or self.pred_cost <= 0:
+        if self._steps * self.scale < self.MIN_STEPS or self._pred_cost <= 0:
             return 1.0
         low, high = self.TIME_CALIBRATION
-        return min(high, max(low, self.real_cost / self.pred_cost))
+        return min(high, max(low, self._real_cost / self._pred_cost))
+
+    def calibrations(self) -> tuple[float, float]:
+        """(``time_calibration()``, ``token_calibration()``), computed once per step: the
+        controller scales every candidate of this kind by them, several times a step."""
+        if self._calibrations is None:
+            self._calibrations = (self.time_calibration(), self.token_calibration())
+        return self._calibrations
 
     def record(
         self, choice: Choice, emitted: int, requests: int, seconds: float, plain: float
     ) -> None:
-        self.steps += 1.0
-        self.tokens += emitted
-        self.plain_tokens += requests * seconds / plain
+        self._calibrations = None
+        one = 1.0 / self.scale  # what a sum's 1 is stored as now
+        self._steps += one
+        self._tokens += emitted * one
+        self._plain_tokens += requests * seconds / plain * one
         if not math.isnan(choice.expected_tokens):
-            self.pred_extra += choice.expected_tokens - requests
-            self.real_extra += emitted - requests
+            self._pred_extra += (choice.expected_tokens - requests) * one
+            self._real_extra += (emitted - requests) * one
         if not math.isnan(choice.expected_seconds):
-            self.pred_cost += (choice.expected_seconds - plain) / choice.scale
-            self.real_cost += max(0.0, seconds - plain)
-        if self.steps >= self.MIN_STEPS and self.achieved < 1.0:  # measured slower than plain
+            self._pred_cost += (choice.expected_seconds - plain) / choice.scale * one
+            self._real_cost += max(0.0, seconds - plain) * one
+        if self.steps < self.MIN_STEPS:
+            return
+        if self.achieved < 1.0:  # measured slower than plain
             self.paused = self.pause
             self.pause = min(2 * self.pause, self.max_pause)
-            self.steps = self.tokens = self.plain_tokens = 0.0  # the next try starts afresh
-            self.pred_extra = self.real_extra = self.pred_cost = self.real_cost = 0.0
-        elif self.steps >= self.MIN_STEPS and self.achieved >= 1.0:
+            self._reset()  # the next try starts afresh
+        else:
             self.pause = max(self.pause // 2, 1)
 
     def tick(self, ran: bool) -> None:
@@ -124,14 +158,17 @@ class SafetyNet:
         self.idle = 0 if ran else self.idle + 1
         if self.paused > 0:
             self.paused -= 1
-        d = self.DECAY  # every step, every kind: spelt out (a loop over getattr took 3 µs)
-        self.steps *= d
-        self.tokens *= d
-        self.plain_tokens *= d
-        self.pred_extra *= d
-        self.real_extra *= d
-        self.pred_cost *= d
-        self.real_cost *= d
+        self._calibrations = None
+        self.scale *= self.DECAY
+        if self.scale < self.RESCALE_BELOW:
+            s, self.scale = self.scale, 1.0
+            self._steps *= s
+            self._tokens *= s
+            self._plain_tokens *= s
+            self._pred_extra *= s
+            self._real_extra *= s
+            self._pred_cost *= s
+            self._real_cost *= s
 
 
 @dataclass

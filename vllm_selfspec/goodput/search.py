@@ -75,16 +75,18 @@ def _offer(cands, depth, v1) -> tuple[list[tuple], float]:
     column, request, gain, row seconds, free) each; and a draft step's fixed seconds (the
     dearest plan among the self-drafting rows)."""
     offer, fixed = [], 0.0
+    append = offer.append
     for i, c in enumerate(cands):
-        d = c.max_tokens if c.free else min(c.max_tokens, depth)
+        free, row = c.free, c.row_seconds
+        d = c.max_tokens if free else min(c.max_tokens, depth)
         if d <= 0:
             continue
-        if not c.free:
+        if not free:
             fixed = max(fixed, c.plan_seconds)
-        cost = max(v1 + c.row_seconds, 1e-12)
+        cost = max(v1 + row, 1e-12)
         for j, g in enumerate(c.accept[:d].tolist()):
             if g > 0:
-                offer.append((-g / cost, j, i, g, c.row_seconds, c.free))
+                append((-g / cost, j, i, g, row, free))
     offer.sort()  # ties by column, then request ((column, request) is unique)
     return offer, fixed
 
@@ -113,9 +115,6 @@ def search_python(
 ) -> Depths:
     """``search`` as one walk along the ranking per depth, over the tokens on offer there."""
     offer, fixed = _offer(cands, depth, v1)
-    gains = [t[3] for t in offer]
-    rows = [t[4] for t in offer]
-    needs = [-1 if t[5] else t[1] for t in offer]
     # by the drafts m in the step (index m - 1): their verification, and its share per draft
     # beyond the verifying step's fixed seconds (what a token's own cost includes)
     if excess is None:
@@ -125,15 +124,17 @@ def search_python(
     else:
         verified = np.asarray(excess[: len(offer)], dtype=np.float64).tolist()
     shares = [max(v - verify, 0.0) / m for m, v in enumerate(verified, 1)]
+    # per ranked token: its gain, its row seconds, and the draft steps it needs to be on offer,
+    # less one (-1: a free token)
+    tokens = [(t[3], t[4], -1 if t[5] else t[1]) for t in offer]
     best = []
     for s in range(depth + 1):
         start = plain + s * fixed
         total, row_sum, m = base, 0.0, 0
         rate, found = -math.inf, (base, plain, -1)
-        for t, g in enumerate(gains):
-            if needs[t] >= s:  # a self-draft's token beyond s draft steps
+        for t, (g, row, need) in enumerate(tokens):
+            if need >= s:  # a self-draft's token beyond s draft steps
                 continue
-            row = rows[t]
             total += g
             row_sum += row
             seconds = start + row_sum + verified[m]
@@ -141,7 +142,7 @@ def search_python(
                 rate, found = total / seconds, (total, seconds, t)
             m += 1
         best.append(found)
-    return Depths(len(cands), [t[2] for t in offer], needs, best)
+    return Depths(len(cands), [t[2] for t in offer], [t[2] for t in tokens], best)
 
 
 def search_arrays(
