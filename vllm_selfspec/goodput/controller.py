@@ -274,7 +274,7 @@ class GoodputController:
         if c.max_tokens == 0:  # nothing to price
             return c
         net = self.nets["free" if c.free else "paid"]
-        if net.paused > 0 or c.max_tokens < 0:  # paused (``SafetyNet.open``)
+        if not net.open or c.max_tokens < 0:
             return Candidate(0, c.accept, free=c.free)
         # the measured/predicted extra seconds scale a token's whole cost, its verification
         # (v1) included: as a row cost, so that a lookup draft's is scaled too
