@@ -83,7 +83,8 @@ class AcceptanceTracker:
         if drafted <= 0:
             return
         reached = min(accepted + 1, drafted)  # drafts whose predecessors were all accepted
-        self._batch, self._shrink = [None] * self.k, None
+        if self._shrink is not None:  # read since the last observation (a read sets both)
+            self._batch, self._shrink = [None] * self.k, None
         slots = range(drafted) if slots is None else [int(s) for s in slots[:drafted]]
         for r, d in ((state, self.decay), (self.all, 0.995)):
             one = r.decay(d)
