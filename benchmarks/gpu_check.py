@@ -22,8 +22,8 @@ Writes ``OUT/report.md``, each run's own output beside it; exits 0 when every ch
 
 ``--cpu``: the same on the CPU, small (parity: 4 prompts of 32 tokens at batch 2; the bench at
 batch 2, 16 tokens, one repeat), float32, engines eager (compiling costs minutes per engine
-on a CPU; tests/engine/test_compiled.py covers compiled mode there), one method beside vanilla at
-a time, each engine's core in its bench process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
+on a CPU; tests/engine/test_compiled.py covers compiled mode there), every method of a run beside
+one vanilla engine, each engine's core in its bench process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
 compiled kernel tests skip without a GPU, as they always do.
 """
 
@@ -61,9 +61,9 @@ class Sizes:
 
 
 CUDA = Sizes((1, 8), 8, 64, (1, 8, 32), 16, 128, 3, 3, eager=False, env={})
-#: two engines at once (~4.5 GB), each with its engine core in its bench process: it starts in
-#: seconds instead of half a minute
-CPU = Sizes((2,), 4, 32, (2,), 2, 16, 1, 1, eager=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+#: every method of a run beside one vanilla engine (at most five engines at once, ~2 GB each),
+#: each with its engine core in its bench process: it starts in seconds instead of half a minute
+CPU = Sizes((2,), 4, 32, (2,), 2, 16, 1, 4, eager=True, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 #: every selfspec method, and the kind of trained heads it needs
 METHODS = {

@@ -1,4 +1,4 @@
-"""Load and fault benchmark of a served selfspec model (the long form of tests/engine/test_load.py).
+"""Load and fault benchmark of a served selfspec model (the long form of the load test in tests/engine/test_serve.py).
 
     flock /tmp/selfspec-engine.lock .venv/bin/python benchmarks/load.py \
         --config examples/selfspec-layerskip.json --duration 600 --concurrency 64

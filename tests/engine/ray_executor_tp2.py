@@ -1,4 +1,4 @@
-"""Run by tests/engine/test_ray.py in a subprocess (PYTHONPATH: tests/ray_cpu, see its
+"""Run by tests/engine/test_tp.py in a subprocess (PYTHONPATH: tests/ray_cpu, see its
 sitecustomize): vanilla vLLM and selfspec with vLLM's own Ray executor, TP=2, greedy, on the
 tiny model at argv[1]; writes their tokens, selfspec's stats and what each of selfspec's workers
 says it is (asked by ``collective_rpc``, not read from Ray's forwarded logs, which may come late)

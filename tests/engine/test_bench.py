@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from vllm_selfspec import cli
 from vllm_selfspec.cli import main
 
 pytestmark = pytest.mark.engine
@@ -35,8 +36,8 @@ def test_bench_writes_results(model_path, tmp_path):
             "1",
             "--out",
             str(out),
-            # eager: compiling would add minutes (tests/engine/test_compiled.py and the demo's
-            # test run compiled engines)
+            # eager: compiling would add minutes (tests/engine/test_compiled.py runs compiled
+            # engines)
             "--eager",
         ]
     )
@@ -80,9 +81,18 @@ def test_prepare_model_prints_the_path(model_path, capsys):
 
 
 def test_demo_runs_vanilla_and_auto_with_identical_outputs(model_path, capsys):
-    """`make demo`'s job, short: both engines run in vLLM's default mode, compiled, the outputs
-    are compared and summed up."""
-    assert main(["demo", "--max-tokens", "8"]) == 0
+    """`make demo`'s job, short and eager (compiling both engines would add minutes; compiled
+    ``auto`` is tested in test_compiled.py): both engines run, the outputs are compared and
+    summed up."""
+    assert main(["demo", "--eager", "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "identical outputs 4/4" in out and "vanilla:" in out and "auto:" in out
-    assert "engine start-up (compiled (vLLM's default))" in out
+    assert "engine start-up (eager)" in out
+
+
+def test_demo_runs_compiled_by_default(monkeypatch):
+    """Without --eager, the demo's engines run in vLLM's default mode, compiled."""
+    calls = []
+    monkeypatch.setattr(cli, "run_demo", lambda **kw: calls.append(kw) or 0)
+    assert main(["demo"]) == 0
+    assert calls[0]["eager"] is False

@@ -2,7 +2,7 @@
 this folder on PYTHONPATH and ``SELFSPEC_TEST_RAY_CPU=1`` (the test's driver, its engine core and
 the Ray workers, which start from the raylet's environment).
 
-The refusal is a platform check, not a limitation (tests/engine/test_ray.py runs TP=2 over Ray
+The refusal is a platform check, not a limitation (tests/engine/test_tp.py runs TP=2 over Ray
 with these two patches):
 
 1. ``CpuPlatform.ray_device_key`` is "" ("this device does not support Ray":

@@ -1,4 +1,4 @@
-"""Load and fault test against an OpenAI-compatible vLLM server (tests/engine/test_load.py and
+"""Load and fault test against an OpenAI-compatible vLLM server (tests/engine/test_serve.py and
 benchmarks/load.py).
 
 ``concurrency`` clients each send streaming ``/v1/completions`` requests back to back until
