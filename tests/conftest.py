@@ -3,10 +3,10 @@
 ``make test`` runs two pytest-xdist workers (pytest.ini: ``-n 2 --dist loadfile``): each test file
 runs whole on one worker, so that its module fixtures (a vanilla engine's references, built heads)
 are made once, and what must not run beside itself shares a file (the tensor-parallel engines,
-which take both cores and clean up each other's shared memory, are all in test_tp.py; the tests
-of the session's server are in test_serve.py). An engine in a worker computes on one thread, so
-that two workers share the two cores rather than oversubscribe them. ``pytest -n 0`` runs the
-suite in one process, in file order.
+which take both cores and clean up each other's shared memory, are all in test_tp.py; every test
+of the `vllm serve` server is in test_serve.py, which starts it once). An engine in a worker
+computes on one thread, so that two workers share the two cores rather than oversubscribe them.
+``pytest -n 0`` runs the suite in one process, in file order.
 """
 
 from __future__ import annotations
