@@ -23,8 +23,8 @@ Writes ``OUT/report.md``, each run's own output beside it; exits 0 when every ch
 ``--cpu``: the same on the CPU, small (parity: 4 prompts of 32 tokens at batch 2; the bench at
 batch 2, 16 tokens, one repeat), float32, engines eager (compiling costs minutes per engine
 on a CPU; tests/engine/test_compiled.py covers compiled mode there), every method of a run beside
-one vanilla engine, each engine's core in its bench process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the
-compiled kernel tests skip without a GPU, as they always do.
+one vanilla engine, each engine's core in its bench process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+the compiled kernel tests skip without a GPU, as they always do.
 """
 
 from __future__ import annotations
