@@ -108,7 +108,7 @@ def run_cell(
     def option(req, tokens, slots, coef, v1):
         """The request's candidate, as the proposer's ``_candidates`` makes it: its lookup
         draft, or (``self_drafts``) its self-draft where the controller would rather have it."""
-        free = Candidate(0, np.zeros(0))
+        free = Candidate(0, [])
         if tokens:
             free = Candidate(
                 len(tokens), tracker.cumulative(req["rates"], len(tokens), slots), free=True

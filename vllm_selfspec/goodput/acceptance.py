@@ -60,7 +60,7 @@ class AcceptanceTracker:
         >>> s = t.new_state()
         >>> t.observe(s, drafted=2, accepted=1)
         >>> t.observe(s, drafted=2, accepted=1)
-        >>> t.cumulative(s, 2).round(3).tolist()
+        >>> [round(p, 3) for p in t.cumulative(s, 2)]
         [0.944, 0.053]
     """
 
@@ -106,9 +106,10 @@ class AcceptanceTracker:
         """P(accepted | the drafts before it accepted) per slot."""
         return np.array(self._cumulative(state, self.k, None, cumulative=False))
 
-    def cumulative(self, state: _Rates, n: int, slots=None) -> np.ndarray:
-        """P(drafts 1..j all accepted) for j = 1..n, draft j in ``slots[j]`` (default j)."""
-        return np.array(self._cumulative(state, n, slots, cumulative=True))
+    def cumulative(self, state: _Rates, n: int, slots=None) -> list[float]:
+        """P(drafts 1..j all accepted) for j = 1..n, draft j in ``slots[j]`` (default j): a
+        list, as a ``Candidate`` takes it (every step reads it for every request)."""
+        return self._cumulative(state, n, slots, cumulative=True)
 
     def _cumulative(self, state: _Rates, n: int, slots, cumulative: bool) -> list[float]:
         a, w = self.all, self.weight

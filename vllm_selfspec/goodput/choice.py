@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 
 @dataclass(slots=True)
@@ -13,7 +12,10 @@ class Candidate:
     """One request's draft options this step."""
 
     max_tokens: int  # the policy's draft length (0: the policy does not draft)
-    accept: np.ndarray  # P(first j drafts all accepted), j = 1..max_tokens, non-increasing
+    #: P(first j drafts all accepted), j = 1..max_tokens, non-increasing: a list of floats (a
+    #: step builds, scales and ranks a few per request, where numpy's per-call cost would be
+    #: most of the work); any sequence of floats is read alike
+    accept: Sequence[float]
     row_seconds: float = 0.0  # marginal draft seconds per draft step of this row
     plan_seconds: float = 0.0  # fixed seconds of a draft step of this row's plan
     free: bool = False  # drafts that cost no draft step (context lookup): only verification

@@ -7,8 +7,6 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .choice import Candidate, Choice
 from .costs import StepCostModel
 from .safety import PlainReference, SafetyNet, SearchBudget
@@ -283,7 +281,7 @@ class GoodputController:
             return c
         return Candidate(
             c.max_tokens,
-            c.accept if a == 1.0 else a * c.accept,
+            c.accept if a == 1.0 else [a * p for p in c.accept],
             t * c.row_seconds + (t - 1.0) * v1,
             t * c.plan_seconds,
             c.free,
@@ -388,7 +386,7 @@ class GoodputController:
                 seconds = tokens[i] * step + self.costs.verify_excess(len(cands), tokens[i])
                 affordable = math.ceil(seconds / (self.PROBE_TIME_SHARE * plain))
                 self._probe_interval = min(self._probe_interval, max(self.probe_every, affordable))
-        expected = best.expected_tokens + float(np.sum(cands[i].accept[: tokens[i]]))
+        expected = best.expected_tokens + float(sum(cands[i].accept[: tokens[i]]))
         return Choice(
             tokens,
             expected,

@@ -25,10 +25,9 @@ a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step onl
 tokens are on offer (3.4 tokens in 0.12 s); with one, the self-draft's token too (4.2 tokens in
 0.15 s: 28 tokens/s against 28.3, so the controller keeps the first)::
 
-    >>> import numpy as np
     >>> from vllm_selfspec.goodput.choice import Candidate
-    >>> free = Candidate(2, np.array([0.9, 0.5]), free=True)
-    >>> paid = Candidate(1, np.array([0.8]), 0.0, 0.02)
+    >>> free = Candidate(2, [0.9, 0.5], free=True)
+    >>> paid = Candidate(1, [0.8], 0.0, 0.02)
     >>> found = search([free, paid], 1, 2, 0.1, 0.01)
     >>> for s, (total, seconds, _) in enumerate(found.best):
     ...     print(found.tokens(s), round(total, 2), round(seconds, 2))
@@ -84,7 +83,7 @@ def _offer(cands, depth, v1) -> tuple[list[tuple], float]:
         if not free:
             fixed = max(fixed, c.plan_seconds)
         cost = max(v1 + row, 1e-12)
-        for j, g in enumerate(c.accept[:d].tolist()):
+        for j, g in enumerate(c.accept[:d]):
             if g > 0:
                 append((-g / cost, j, i, g, row, free))
     offer.sort()  # ties by column, then request ((column, request) is unique)
