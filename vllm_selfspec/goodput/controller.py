@@ -189,7 +189,7 @@ class GoodputController:
         # a verified draft token's seconds; a verifying step's fixed seconds (not scaled by a
         # time calibration below, though the record divides a choice's whole extra by its scale)
         v1, verify = line[2], line[3]
-        plain = self.plain.seconds(self.costs.target_seconds(base))
+        plain = self.plain.seconds(line[0] + line[1] * base)  # ``target_seconds(base)``
         self.plain.since += 1
         if self.plain.since > self.plain_every:  # no plain cycle measured for a while: one now
             self.plain.since = 0
@@ -215,8 +215,9 @@ class GoodputController:
             default=0,
         )
         # the verification of m = 1.. drafts in this step, by the shapes measured or the line
-        excess = self.costs.verify_excess_table(n, on_offer(scaled, depth))
-        found = search(scaled, depth, base, plain, v1, floor, verify, excess)
+        offered = on_offer(scaled, depth)
+        excess = self.costs.verify_excess_table(n, offered)
+        found = search(scaled, depth, base, plain, v1, floor, verify, excess, offered)
         # the depth whose set yields the most tokens per second, above plain decoding's and by
         # the margin (its token counts are built for it alone)
         best_rate, taken = n / plain, -1
@@ -224,12 +225,15 @@ class GoodputController:
             rate = total / seconds
             if last >= 0 and rate > best_rate and self._clears_margin(total, seconds, plain, base):
                 best_rate, taken = rate, s
-        best = Choice([0] * n, float(n), plain, plain)
         if taken >= 0:
             best = Choice(found.tokens(taken), *found.best[taken][:2], plain)
             best.kind = self._kind(cands, best.tokens)
+        else:
+            best = Choice([0] * n, float(n), plain, plain)
         self._searched(best, base, plain)
-        chosen_free = bool(best.kind) and any(t and c.free for c, t in zip(cands, best.tokens))
+        chosen_free = best.kind == "free" or (
+            best.kind == "paid" and any(t and c.free for c, t in zip(cands, best.tokens))
+        )
         self._since_skipped_probe += 1
         if best.kind != "paid" and paid.open and self._probe_idle() + 1 >= self._probe_interval:
             # self-drafts have not run for a while: probe, unless no self-draft could pay
@@ -342,10 +346,15 @@ class GoodputController:
 
     @staticmethod
     def _kind(cands: list[Candidate], tokens: list[int]) -> str:
-        drafted = [c for c, t in zip(cands, tokens) if t]
-        if not drafted:
-            return ""
-        return "free" if all(c.free for c in drafted) else "paid"
+        """ "paid" if some drafted request self-drafts, "free" if every one drafts by lookup, ""
+        if none drafts."""
+        kind = ""
+        for c, t in zip(cands, tokens):
+            if t:
+                if not c.free:
+                    return "paid"
+                kind = "free"
+        return kind
 
     def _probe(
         self, cands: list[Candidate], best: Choice, free: bool = False, plain: float = 0.0

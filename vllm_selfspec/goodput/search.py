@@ -97,11 +97,21 @@ def on_offer(cands, depth) -> int:
 
 
 def search(
-    cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
+    cands,
+    depth,
+    base,
+    plain,
+    v1,
+    floor: float = 0.0,
+    verify: float = 0.0,
+    excess=None,
+    offered: int | None = None,
 ) -> Depths:
     """Every depth's best set (``base``: the step's tokens without drafts; ``plain``: its
-    seconds), in plain Python or arrays by the search's size."""
-    offered = on_offer(cands, depth)
+    seconds), in plain Python or arrays by the search's size (``offered``: ``on_offer(cands,
+    depth)`` where the caller has it)."""
+    if offered is None:
+        offered = on_offer(cands, depth)
     if offered == 0:  # nothing to choose from (the common step without a match)
         return Depths(len(cands), [], [], [(base, plain, -1)] * (depth + 1))
     size = (depth + 1) * offered
