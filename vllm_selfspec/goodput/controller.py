@@ -346,8 +346,8 @@ class GoodputController:
 
     @staticmethod
     def _kind(cands: list[Candidate], tokens: list[int]) -> str:
-        """ "paid" if some drafted request self-drafts, "free" if every one drafts by lookup, ""
-        if none drafts."""
+        """A choice's kind: "paid" if some drafted request self-drafts, "free" if every one
+        drafts by lookup, "" if none drafts."""
         kind = ""
         for c, t in zip(cands, tokens):
             if t:
