@@ -63,7 +63,7 @@ def test_cost_model_fits_target_and_draft_lines():
     assert c.draft_seconds(8, rows=4) == pytest.approx(0.004 + 0.004 + 0.0002 * 32, rel=1e-2)
     assert c.verify_seconds(3, batch=8) == pytest.approx(0.05 + 0.009 * 8 + 0.007 * 2, rel=3e-3)
     # rank 0's figures win (TP): its line, draft step and shapes measured
-    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0]), {(2, 1): (0.0, 8.0)}, 0.0))
+    c.freeze(((1.0, 0.5, 0.25, 0.5), np.array([0.0, 0.0, 1.0]), {2: {1: (0.0, 8.0)}}, 0.0))
     assert c.target_seconds(2, 4) == 3.5 and c.draft_seconds(2, rows=3) == 6.0
     assert c.target_seconds(2) == 2.0
     assert c.target_seconds(2, 1) == pytest.approx(2.0 + 0.75 * 2 / 10)  # shrunk to the line
@@ -794,6 +794,27 @@ def test_the_table_of_verification_prices_follows_the_rule_for_each_draft_count(
     assert c.verify_excess_table(4, most) == pytest.approx(want, abs=1e-15)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_prices_read_the_shapes_kept_and_rank_0s_alike(seed):
+    """Shapes of several request counts, more than the model keeps (the least recently measured
+    go first): the prices by request count read exactly the shapes kept, and another rank that
+    prices by rank 0's figures (``state``, ``freeze``) gets the same table."""
+    rng = np.random.default_rng(100 + seed)
+    c = StepCostModel(skip_first=False)
+    c.MAX_SHAPES = 12
+    for _ in range(60):
+        r, d = int(rng.integers(1, 4)), int(rng.integers(1, 12))
+        c.add_target(r, r, 0.05)
+        c.add_target(r, r + d, 0.05 + float(rng.uniform(-0.01, 0.03)))
+    assert len(c._shapes) == c.MAX_SHAPES
+    other = StepCostModel(skip_first=False)
+    other.freeze(c.state())
+    for r in (1, 2, 3, 4):
+        want = [excess_reference(c, r, d) for d in range(1, 15)]
+        assert c.verify_excess_table(r, 14) == pytest.approx(want, abs=1e-15)
+        assert other.verify_excess_table(r, 14) == c.verify_excess_table(r, 14)
+
+
 def test_a_cheap_drafter_drafts_the_shapes_that_pay():
     """Feature heads at batch 1 (first draft 15% accepted, a draft step a twentieth of a
     target step): priced by the line, whose slope and fixed cost the lone-draft steps inflate,
@@ -886,8 +907,11 @@ def test_all_depths_priced_at_once_equal_each_depth_priced_alone(seed):
             cands.append(Candidate(k, accept, float(rng.choice([0.0, 1e-3, 4e-3])), 2e-3))
     most = sum(c.max_tokens for c in cands)
     excess = None if rng.random() < 0.3 else np.cumsum(rng.uniform(0.0, 8e-3, size=most))
+    if excess is not None and rng.random() < 0.5:  # a verifying step's fixed cost: one draft
+        excess += rng.uniform(0.0, 2e-2)  # pays the most per token, many the least
     v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
-    base, plain, floor = float(n), 0.05 + 0.005 * n, float(rng.choice([0.0, 10.0, 60.0]))
+    base, plain = float(n), 0.05 + 0.005 * n
+    floor = float(rng.choice([0.0, 10.0, 60.0, rng.uniform(0.0, 300.0)]))
     depth = int(rng.integers(0, 7))
     for run in (search_arrays, search_python):
         got = run(cands, depth, base, plain, v1, floor, verify, excess)
@@ -924,10 +948,13 @@ def test_the_plain_python_search_equals_the_arrays(seed):
         free = rng.random() < 0.7
         cands.append(Candidate(k, accept, 0.0 if free else 1e-3, 0.0 if free else 2e-3, free))
     most = sum(c.max_tokens for c in cands)
-    excess = None if rng.random() < 0.3 else list(np.cumsum(rng.uniform(0.0, 8e-3, size=most)))
+    excess = None if rng.random() < 0.3 else np.cumsum(rng.uniform(0.0, 8e-3, size=most))
+    if excess is not None:
+        excess = list(excess + (rng.uniform(0.0, 2e-2) if rng.random() < 0.5 else 0.0))
     v1, verify = 4e-3, float(rng.choice([0.0, 2e-3]))
     depth = int(rng.integers(0, 7))
-    args = (depth, float(n), 0.05 + 0.005 * n, v1, float(rng.choice([0.0, 10.0, 60.0])), verify)
+    floor = float(rng.choice([0.0, 10.0, 60.0, rng.uniform(0.0, 300.0)]))
+    args = (depth, float(n), 0.05 + 0.005 * n, v1, floor, verify)
     python = search_python(cands, *args, excess)
     arrays = search_arrays(cands, *args, excess)
     assert len(python.best) == len(arrays.best) == depth + 1

@@ -168,14 +168,17 @@ class StepCostModel:
         #: per request count, the plain steps' seconds, decayed fast (``DRIFT_DECAY``): what a
         #: drafting step of that size is measured against
         self._recent: dict[int, float] = {}
-        #: (requests, draft tokens) -> [decayed sum of excess seconds, decayed count]
+        #: (requests, draft tokens) -> [decayed sum of excess seconds, decayed count], the least
+        #: recently measured first; and the same entries by request count (``_by_requests``:
+        #: requests -> {draft tokens: entry}), what a step's prices read
         self._shapes: dict[tuple[int, int], list[float]] = {}
+        self._by_requests: dict[int, dict[int, list[float]]] = {}
         #: the variance of one excess sample about its shape's mean, pooled over shapes (0 before
         #: a shape is measured twice): what a shape's price adds for the uncertainty of its mean
         self._noise_sum = 0.0  # decayed sum of squared deviations (``NOISE_DECAY``)
         self._noise_count = 0.0
         self.draft = OnlineFit(3)
-        self._frozen: tuple | None = None
+        self._frozen: tuple | None = None  # rank 0's figures under TP (``freeze``)
         self._line: tuple[float, float, float, float] | None = None  # solved once per sample
         self._plain_coef: tuple[float, float, float] | None = None  # once per plain sample
         #: shapes measured once already (a target forward's requests and tokens, a draft step's
@@ -227,9 +230,13 @@ class StepCostModel:
             d = self.NOISE_DECAY
             self._noise_sum = d * self._noise_sum + dev * dev * count / (count + 1.0)
             self._noise_count = d * self._noise_count + 1.0
-        self._shapes[shape] = [self.SHAPE_DECAY * total + excess, self.SHAPE_DECAY * count + 1.0]
-        if len(self._shapes) > self.MAX_SHAPES:
-            del self._shapes[next(iter(self._shapes))]
+        entry = [self.SHAPE_DECAY * total + excess, self.SHAPE_DECAY * count + 1.0]
+        self._shapes[shape] = self._by_requests.setdefault(shape[0], {})[shape[1]] = entry
+        if len(self._shapes) > self.MAX_SHAPES:  # the least recently measured goes
+            requests, drafts = oldest = next(iter(self._shapes))
+            del self._shapes[oldest], self._by_requests[requests][drafts]
+            if not self._by_requests[requests]:
+                del self._by_requests[requests]
 
     def add_draft(self, layers: float, rows: int, seconds: float) -> None:
         if not self.skip_first:
@@ -256,7 +263,12 @@ class StepCostModel:
 
     # ---- tensor parallelism: decide from rank 0's figures ------------------------------------
     def state(self) -> tuple:
-        shapes = {k: (v[0], v[1]) for k, v in self._shapes.items()}
+        """What the other ranks price by (``freeze``): the target line, the draft line, the
+        shapes measured by request count (requests -> {draft tokens: (sum, count)}), the
+        noise."""
+        shapes = {
+            r: {d: (v[0], v[1]) for d, v in ds.items()} for r, ds in self._by_requests.items()
+        }
         return (self._target_line(), self.draft.coefficients(), shapes, self.noise())
 
     def freeze(self, state: tuple | None) -> None:
@@ -353,7 +365,8 @@ class StepCostModel:
         line = self.target_line()
         if drafts <= 0 or line is None:
             return 0.0
-        return self._excess(line, self._shape_table(), int(requests), int(drafts), int(drafts))[0]
+        r, d = int(requests), int(drafts)
+        return self._excess(line, self._shapes_of(r), d, d)[0]
 
     def verify_excess_table(self, requests: float, most: int) -> list[float]:
         """``verify_excess(requests, d)`` for d = 1..most (what the controller prices a step's
@@ -361,22 +374,25 @@ class StepCostModel:
         line = self.target_line()
         if line is None or most <= 0:
             return [0.0] * max(most, 0)
-        return self._excess(line, self._shape_table(), int(requests), 1, most)
+        return self._excess(line, self._shapes_of(int(requests)), 1, most)
 
-    def _shape_table(self) -> dict:
-        return self._frozen[2] if self._frozen is not None else self._shapes
+    def _shapes_of(self, requests: int) -> dict[int, list[float]]:
+        """The shapes of ``requests`` requests measured: draft tokens -> [sum, count]."""
+        rows = self._frozen[2] if self._frozen is not None else self._by_requests
+        return rows.get(requests, {})
 
-    def _excess(self, line, shapes, r: int, lo: int, hi: int) -> list[float]:
-        """``verify_excess(r, d)`` for d = lo..hi: the shapes of r measured in reach of them,
-        shrunk towards the line, looked up once; each unmeasured d within reach of them gets the
-        mean residual of the nearest below and the nearest above."""
+    def _excess(self, line, shapes, lo: int, hi: int) -> list[float]:
+        """``verify_excess(r, d)`` for d = lo..hi, from ``shapes`` (r's, ``_shapes_of``): those
+        measured in reach of them, shrunk towards the line, priced once; each unmeasured d
+        within reach of them gets the mean residual of the nearest below and the nearest
+        above."""
         reach, w = self.SHAPE_REACH, self.SHAPE_PRIOR_WEIGHT
         a, b = line[2], line[3]
-        get, noise = shapes.get, max(self.noise(), 0.0)
+        noise = max(self.noise(), 0.0)
+        first, last = lo - reach, hi + reach
         shrunk = {}
-        for d in range(max(1, lo - reach), hi + reach + 1):
-            seen = get((r, d))
-            if seen is not None:  # ``_shrunk``, spelt out (every step, for each shape in reach)
+        for d, seen in shapes.items():
+            if first <= d <= last:  # ``_shrunk``, spelt out (every step, each shape in reach)
                 n = seen[1] + w
                 shrunk[d] = (seen[0] + w * (a * d + b)) / n + math.sqrt(noise / n)
         if a >= 0.0 and b >= 0.0:  # as the line is solved: no price below 0

@@ -13,12 +13,14 @@ prefix's verification per token beyond the fixed ``verify``) is never chosen, ho
 others pay.
 
 With s draft steps the tokens on offer are every free token and each self-draft's first s: one
-ranking of all of them serves every s (a subset keeps its order). Two implementations of the
-same search, checked against each other (tests/unit/test_goodput.py): ``search_python``, a walk
-along the ranking per depth, several times faster for a step's few dozen tokens, and
-``search_arrays``, every depth at once in numpy arrays, faster for hundreds; ``search`` picks.
-Both return ``Depths``, whose token counts per request are built only for the depth the
-controller takes.
+ranking of all of them serves every s (a subset keeps its order). The tail of the ranking that
+could end no set is cut first (``_ranked``): in ``benchmarks/lookup_host.py --self-drafts`` at
+batch 8, about 5 of the 31 tokens on offer remain. Two implementations of the same search, checked
+against each other (tests/unit/test_goodput.py): ``search_python``, a walk along the ranking
+per depth, faster for a step's few dozen tokens, and ``search_arrays``, every depth at once in
+numpy arrays, faster for hundreds; ``search`` picks by the size left after the cut. Both
+return ``Depths``, whose token counts per request are built only for the depth the controller
+takes.
 
 Example: one free draft (P 0.9, 0.5) and one self-draft (P 0.8) whose draft step costs 0.02 s;
 a plain step 0.1 s for 2 tokens, a verified token 0.01 s. With no draft step only the free
@@ -108,24 +110,45 @@ def search(
     offered: int | None = None,
 ) -> Depths:
     """Every depth's best set (``base``: the step's tokens without drafts; ``plain``: its
-    seconds), in plain Python or arrays by the search's size (``offered``: ``on_offer(cands,
-    depth)`` where the caller has it)."""
+    seconds), walked in plain Python or priced in arrays by the size of the search left after
+    the cut (``_ranked``; ``offered``: ``on_offer(cands, depth)`` where the caller has it)."""
     if offered is None:
         offered = on_offer(cands, depth)
     if offered == 0:  # nothing to choose from (the common step without a match)
         return Depths(len(cands), [], [], [(base, plain, -1)] * (depth + 1))
-    size = (depth + 1) * offered
-    run = search_python if size <= PYTHON_SEARCH_SIZE else search_arrays
-    return run(cands, depth, base, plain, v1, floor, verify, excess)
+    ranked = _ranked(cands, depth, v1, floor, verify, excess)
+    walk = _walk_python if (depth + 1) * len(ranked[0]) <= PYTHON_SEARCH_SIZE else _walk_arrays
+    return walk(len(cands), ranked, depth, base, plain, floor, verify)
 
 
 def search_python(
     cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
 ) -> Depths:
     """``search`` as one walk along the ranking per depth, over the tokens on offer there."""
+    ranked = _ranked(cands, depth, v1, floor, verify, excess)
+    return _walk_python(len(cands), ranked, depth, base, plain, floor, verify)
+
+
+def search_arrays(
+    cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
+) -> Depths:
+    """``search`` for every depth at once: a row of the arrays per depth (with 6-token
+    self-drafts in view at 8 requests, 7 passes of one pricing each took half of a choice's
+    time)."""
+    ranked = _ranked(cands, depth, v1, floor, verify, excess)
+    return _walk_arrays(len(cands), ranked, depth, base, plain, floor, verify)
+
+
+def _ranked(cands, depth, v1, floor, verify, excess):
+    """The tokens on offer at ``depth`` draft steps, ranked (``_offer``); a draft step's fixed
+    seconds; and by the drafts m in the step (index m - 1), their verification and its share
+    per draft beyond the verifying step's fixed seconds (what a token's own cost includes).
+
+    A token ends a set only where it clears the bar (``floor`` tokens per second of its row and
+    its share), and no share is below the lowest, so the tokens ranked after the last one that
+    clears it at the lowest are in no depth's set: they are cut (at a steady line's prices, a
+    long lookup draft's unlikely tail and a self-draft's last columns)."""
     offer, fixed = _offer(cands, depth, v1)
-    # by the drafts m in the step (index m - 1): their verification, and its share per draft
-    # beyond the verifying step's fixed seconds (what a token's own cost includes)
     if excess is None:
         verified = [v1 * m + verify for m in range(1, len(offer) + 1)]
     elif isinstance(excess, list):  # the cost model's table: Python floats
@@ -133,6 +156,17 @@ def search_python(
     else:
         verified = np.asarray(excess[: len(offer)], dtype=np.float64).tolist()
     shares = [max(v - verify, 0.0) / m for m, v in enumerate(verified, 1)]
+    if floor > 0.0 and shares:
+        low, last = min(shares), len(offer)
+        while last and not offer[last - 1][3] > floor * (offer[last - 1][4] + low):
+            last -= 1
+        del offer[last:]
+    return offer, fixed, verified, shares
+
+
+def _walk_python(n, ranked, depth, base, plain, floor, verify) -> Depths:
+    """One walk along the ranking per depth, over the tokens on offer there."""
+    offer, fixed, verified, shares = ranked
     # per ranked token: its gain, its row seconds, and the draft steps it needs to be on offer,
     # less one (-1: a free token)
     tokens = [(t[3], t[4], -1 if t[5] else t[1]) for t in offer]
@@ -151,17 +185,12 @@ def search_python(
                 rate, found = total / seconds, (total, seconds, t)
             m += 1
         best.append(found)
-    return Depths(len(cands), [t[2] for t in offer], [t[2] for t in tokens], best)
+    return Depths(n, [t[2] for t in offer], [t[2] for t in tokens], best)
 
 
-def search_arrays(
-    cands, depth, base, plain, v1, floor: float = 0.0, verify: float = 0.0, excess=None
-) -> Depths:
-    """``search`` for every depth at once: a row of the arrays per depth (with 6-token
-    self-drafts in view at 8 requests, 7 passes of one pricing each took half of a choice's
-    time)."""
-    offer, fixed = _offer(cands, depth, v1)
-    n = len(cands)
+def _walk_arrays(n, ranked, depth, base, plain, floor, verify) -> Depths:
+    """Every depth at once, a row of the arrays per depth."""
+    offer, fixed, table, _ = ranked
     if not offer:
         return Depths(n, [], [], [(base, plain, -1)] * (depth + 1))
     _, cols, rows, g, r, free = (np.array(x) for x in zip(*offer))
@@ -170,11 +199,7 @@ def search_arrays(
     steps = np.arange(depth + 1)[:, None]
     on = needs[None, :] < steps
     m = np.cumsum(on, axis=1)  # drafts in the prefix ending at t
-    if excess is None:
-        verified = v1 * m + verify
-    else:
-        table = np.asarray(excess[: len(g)], dtype=np.float64)
-        verified = table[np.maximum(m, 1) - 1]
+    verified = np.asarray(table, dtype=np.float64)[np.maximum(m, 1) - 1]
     total = base + np.cumsum(on * g, axis=1)
     seconds = plain + steps * fixed + np.cumsum(on * r, axis=1) + verified
     per_token = np.maximum(verified - verify, 0.0) / np.maximum(m, 1)
