@@ -376,11 +376,31 @@ def main(argv: list[str] | None = None) -> int:
         help="trained heads (cascade, adadecode, feature) for the methods that need them",
     )
     parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="selfspec methods whose parity is checked (default: every one)",
+    )
+    parser.add_argument(
         "--bench-methods",
         default="auto",
-        help="selfspec methods the bench runs against vanilla, ngram and suffix (default: auto)",
+        help="selfspec methods the bench runs against vanilla and the peers (default: auto)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"vLLM's methods the bench runs beside them (default: {','.join(PEERS)})",
     )
     args = parser.parse_args(argv)
+    wanted_parity = [m.strip() for m in args.methods.split(",") if m.strip()]
+    wanted_peers = [m.strip() for m in args.peers.split(",") if m.strip()]
+    unknown = sorted(set(wanted_parity) - set(METHODS)) + sorted(set(wanted_peers) - set(PEERS))
+    if unknown:
+        print(
+            f"error: unknown method(s) {unknown}: --methods takes {', '.join(METHODS)}; "
+            f"--peers takes {', '.join(PEERS)}",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.perf_counter()
     import torch
 
@@ -412,13 +432,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     options, skipped = selfspec_methods(model, heads, cuda)
 
-    rows = parity(model, sizes, engine, options, out, cuda)
-    peers, skipped_bench = list(PEERS), {}
+    checked = {n: o for n, o in options.items() if n in wanted_parity}
+    rows = parity(model, sizes, engine, checked, out, cuda)
+    skipped_parity = {n: why for n, why in skipped.items() if n in wanted_parity}
+    peers, skipped_bench = wanted_peers, {}
     try:
         suffix_found = importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
     except ModuleNotFoundError:
         suffix_found = False
-    if not suffix_found:
+    if not suffix_found and "suffix" in peers:
         peers.remove("suffix")
         skipped_bench["suffix"] = (
             "vLLM's suffix method needs arctic_inference.suffix_decoding: "
@@ -448,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         f"* command: `{command}`",
         f"* duration: {time.perf_counter() - t0:.0f} s",
         "",
-        *parity_section(rows, skipped, sizes, cuda),
+        *parity_section(rows, skipped_parity, sizes, cuda),
         *speed_section(runs, skipped_bench, sizes),
         *kernel_section(k, cuda, out / "kernels"),
     ]

@@ -1,4 +1,8 @@
-"""The benchmark harness end to end on a tiny run (speed is measured by the harness, never here)."""
+"""The benchmark harness end to end on a tiny run (speed is measured by the harness, never here).
+
+Each engine's core runs in its bench process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the
+bench's worker processes inherit): an engine then starts in about 12 s here instead of 80, where
+two more processes would import torch and vLLM."""
 
 from __future__ import annotations
 
@@ -10,6 +14,11 @@ from vllm_selfspec import cli
 from vllm_selfspec.cli import main
 
 pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(autouse=True)
+def in_process_cores(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def test_bench_writes_results(model_path, tmp_path):

@@ -52,3 +52,11 @@ def test_a_method_passes_parity_only_when_it_drafted_and_every_output_is_vanilla
     assert "| c | 8 | 0.75 | 10 | 5 | FAIL |" in table
     assert "| a | 1 | – | – | – | FAIL: did not run |" in table and "boom" in table
     assert "VLLM_BATCH_INVARIANT=1" in table
+
+
+def test_unknown_methods_or_peers_are_refused_before_anything_runs(capsys):
+    gc = _module()
+    assert gc.main(["model", "--cpu", "--methods", "layerskip,lookahead"]) == 2
+    assert "unknown method(s) ['lookahead']" in capsys.readouterr().err
+    assert gc.main(["model", "--cpu", "--peers", "eagle"]) == 2
+    assert "unknown method(s) ['eagle']" in capsys.readouterr().err
