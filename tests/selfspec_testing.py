@@ -38,16 +38,17 @@ def selfspec_log(caplog, level: int):
 def engine(model: str, **kw):
     """A vllm.LLM that is shut down (and its memory freed) when the block ends.
 
-    A single-worker engine runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
-    it starts in ~5 s instead of ~30 s for a core process beside its worker, which was most of
-    the suite's time. The code under test is the same either way (worker, proposer and plugin
-    sit in the engine core); separate processes are still tested where they matter: TP=2 (its
-    workers are processes), Ray, `vllm serve` (its engine core is always a process) and the
-    bench."""
+    The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a single-worker
+    engine starts in ~5 s instead of ~30 s for a core process beside its worker, which was most
+    of the suite's time, and a TP=2 engine saves that process too. The code under test is the
+    same either way (worker, proposer and plugin sit in the worker, beside the engine core or
+    in its own process); separate processes are still tested where they matter: TP=2 (its
+    workers are processes of vLLM's multiprocessing executor), Ray, `vllm serve` (its engine
+    core is always a process) and the bench."""
     from vllm import LLM
 
     kw = {**ENGINE_KW, **kw}
-    in_process = kw.get("tensor_parallel_size", 1) == 1 and "distributed_executor_backend" not in kw
+    in_process = kw.get("distributed_executor_backend") in (None, "mp")
     with _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else None):
         llm = LLM(model=model, **kw)  # vLLM reads the variable while it builds the engine
     try:
