@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: the largest search (depths × tokens on offer) made in plain Python (``search_python``); above
-#: it the arrays (``search_arrays``) are faster (on this project's CPU the two took about as long
-#: at 200-300: 4 to 8 requests with 6-token self-drafts in view)
+#: the largest search (depths × tokens left after the cut, ``_ranked``) walked in plain Python;
+#: above it the arrays are faster (on this project's CPU the two took about as long at 200-300
+#: depths × tokens)
 PYTHON_SEARCH_SIZE = 200
 
 
