@@ -156,8 +156,7 @@ def test_drafter_kinds_compiled(passthrough, tiny_vanilla, kind, tmp_path):
 
 def test_auto_compiled(passthrough, tiny_vanilla):
     """``auto`` under its goodput controller, compiled: lookup drafts made and accepted (the
-    tiny model's greedy text falls into cycles that its context repeats), its self-drafts
-    through the compiled layer functions."""
+    tiny model's greedy text falls into cycles that its context repeats)."""
     got, stats = _tiny_run(passthrough, {"method": "auto", "goodput": True})
     assert got == tiny_vanilla, "auto: tokens differ from compiled vanilla vLLM"
     assert stats["lookup_drafted_tokens"] > 0 and stats["token_sources"]["lookup"] > 0, stats
