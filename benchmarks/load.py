@@ -7,9 +7,10 @@
 2. vLLM's OpenAI server starts on 127.0.0.1 with the selfspec config;
 3. ``--concurrency`` streaming clients send requests for ``--duration`` seconds (greedy/sampled,
    short to long prompts, ``--abort-prob`` of them dropped mid-stream);
-4. the summary (requests, errors, greedy mismatches, tokens/s, server RSS over time, selfspec stats
-   and vLLM's spec-decode counters from /metrics, live selfspec requests afterwards) is printed and
-   written to ``--out``. Exit status 1 on any error, greedy mismatch or leftover request state.
+4. the summary (requests, errors, greedy mismatches, tokens/s, server RSS over time in all and by
+   process, selfspec stats and vLLM's spec-decode counters from /metrics, live selfspec requests
+   afterwards) is printed and written to ``--out``. Exit status 1 on any error, greedy mismatch
+   or leftover request state.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def main() -> int:
                 args.concurrency,
                 abort_prob=args.abort_prob,
                 seed=args.seed,
-                rss_fn=srv.rss_bytes,
+                rss_fn=srv.rss_by_process,
             )
         )
         deadline = time.monotonic() + 15
@@ -97,6 +98,10 @@ def main() -> int:
         "errors_sample": res.errors[:10],
         "mismatches_sample": res.mismatches[:3],
         "rss_mib": [(round(t, 1), round(b / 2**20)) for t, b in res.rss],
+        "rss_mib_by_process": {
+            name: [(round(t, 1), round(b / 2**20)) for t, b in series]
+            for name, series in res.rss_by_process.items()
+        },
         "metrics": {
             k: v
             for k, v in metrics.items()

@@ -183,7 +183,7 @@ def test_load_with_aborts(served, vanilla_refs):
             CONCURRENCY,
             abort_prob=ABORT_PROB,
             seed=1,
-            rss_fn=served.rss_bytes,
+            rss_fn=served.rss_by_process,
         )
     )
     summary = res.summary()

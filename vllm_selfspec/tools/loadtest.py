@@ -107,7 +107,9 @@ class LoadResult:
     tokens: int = 0
     errors: list[str] = field(default_factory=list)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
-    rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
+    rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes of all)
+    #: the same by process (``Server.rss_by_process``'s names): where a step in ``rss`` comes from
+    rss_by_process: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     duration_s: float = 0.0
     scrapes: int = 0  # /metrics scrapes answered (``run_load(scrapers=...)``)
 
@@ -230,9 +232,14 @@ async def _scraper(url: str, deadline: float, res: LoadResult) -> None:
                 res.errors.append(f"/metrics: {type(e).__name__}: {e}"[:300])
 
 
-async def _sample_rss(rss_fn: Callable[[], int], res: LoadResult, t0: float, stop) -> None:
+async def _sample_rss(
+    rss_fn: Callable[[], dict[str, int]], res: LoadResult, t0: float, stop
+) -> None:
     while not stop.is_set():
-        res.rss.append((time.monotonic() - t0, rss_fn()))
+        t, parts = time.monotonic() - t0, rss_fn()
+        res.rss.append((t, sum(parts.values())))
+        for name, b in parts.items():
+            res.rss_by_process.setdefault(name, []).append((t, b))
         try:
             await asyncio.wait_for(stop.wait(), 2.0)
         except asyncio.TimeoutError:
@@ -247,11 +254,12 @@ async def run_load(
     concurrency: int = 32,
     abort_prob: float = 0.2,
     seed: int = 0,
-    rss_fn: Callable[[], int] | None = None,
+    rss_fn: Callable[[], dict[str, int]] | None = None,
     scrapers: int = 0,
 ) -> LoadResult:
     """Clients start requests until ``duration_s`` is over, then finish the ones in flight;
-    ``scrapers`` more clients scrape ``/metrics`` back to back meanwhile."""
+    ``scrapers`` more clients scrape ``/metrics`` back to back meanwhile; ``rss_fn`` (resident
+    bytes by process, ``Server.rss_by_process``) is sampled every 2 s."""
     res = LoadResult()
     t0 = time.monotonic()
     stop = asyncio.Event()

@@ -144,20 +144,25 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and every process it started (engine core, workers)."""
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of the server and of every process it started (engine core,
+        workers), by process: ``name[pid]`` -> bytes ({} once the server is gone)."""
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return {}
+        out = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                out[f"{p.name()}[{p.pid}]"] = p.memory_info().rss
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and every process it started, together."""
+        return sum(self.rss_by_process().values())
 
 
 def parse_metrics(text: str) -> dict[str, float]:
