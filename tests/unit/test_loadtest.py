@@ -6,14 +6,17 @@ from vllm_selfspec.tools.loadtest import LoadResult, _sample_rss
 
 
 def test_rss_is_kept_in_all_and_by_process():
-    samples = iter([{"server[1]": 3 << 20, "core[2]": 5 << 20}, {"server[1]": 4 << 20}])
+    samples = [{"server[1]": 3 << 20, "core[2]": 5 << 20}, {"server[1]": 4 << 20}]
 
     async def sample_twice(res):
         stop = asyncio.Event()
-        task = asyncio.create_task(_sample_rss(lambda: next(samples), res, 0.0, stop))
-        await asyncio.sleep(2.1)  # the second sample comes 2 s after the first
-        stop.set()
-        await task
+
+        def rss():  # the second sample is the last: the core process has gone
+            if len(samples) == 1:
+                stop.set()
+            return samples.pop(0)
+
+        await _sample_rss(rss, res, 0.0, stop, every_s=0.01)
 
     res = LoadResult()
     asyncio.run(sample_twice(res))

@@ -233,7 +233,7 @@ async def _scraper(url: str, deadline: float, res: LoadResult) -> None:
 
 
 async def _sample_rss(
-    rss_fn: Callable[[], dict[str, int]], res: LoadResult, t0: float, stop
+    rss_fn: Callable[[], dict[str, int]], res: LoadResult, t0: float, stop, every_s: float = 2.0
 ) -> None:
     while not stop.is_set():
         t, parts = time.monotonic() - t0, rss_fn()
@@ -241,7 +241,7 @@ async def _sample_rss(
         for name, b in parts.items():
             res.rss_by_process.setdefault(name, []).append((t, b))
         try:
-            await asyncio.wait_for(stop.wait(), 2.0)
+            await asyncio.wait_for(stop.wait(), every_s)
         except asyncio.TimeoutError:
             pass
 
