@@ -160,10 +160,6 @@ class Server:
                 pass
         return out
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and every process it started, together."""
-        return sum(self.rss_by_process().values())
-
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {"name{labels}": value} (labels as printed, comments dropped)."""
