@@ -16,6 +16,7 @@ import time
 
 from .. import compat
 from .greedy_verify import GreedyVerification
+from .host_memory import FreeMemoryRelease, allocator_release
 from .proposer import SelfSpecProposer
 from .stats import builtin
 
@@ -188,6 +189,9 @@ class SelfSpecRunnerMixin:
         drafter = self._selfspec()
         if drafter is None:
             return super().execute_model(*args, **kwargs)
+        release = getattr(self, "selfspec_memory_release", None)
+        if release is not None:  # between steps, every 30 s (engine/host_memory.py)
+            release.maybe_release()
         self._selfspec_t0 = time.perf_counter()  # the proposer times the target forward from here
         scheduler_output = args[0] if args else kwargs["scheduler_output"]
         drafter.forget_drafts(scheduler_output.preempted_req_ids or ())
@@ -277,6 +281,16 @@ class SelfSpecWorker(_BaseWorker):
                 "vllm-selfspec froze the worker's start-up heap: %d objects",
                 self.selfspec_frozen_objects,
             )
+            found = allocator_release() if compat.is_cpu() else None
+            if found is not None:
+                kind, fn = found
+                release = FreeMemoryRelease(fn=fn)
+                self.model_runner.selfspec_memory_release = release
+                logger.info(
+                    "vllm-selfspec gives the worker's free memory back to the OS every %.0f s (%s)",
+                    release.every_s,
+                    kind,
+                )
         return out
 
     def selfspec_forget_outputs(self) -> None:  # see vllm_selfspec.forget_outputs
@@ -292,6 +306,10 @@ class SelfSpecWorker(_BaseWorker):
         out = builtin(drafter.stats_dict())
         # counted once, at start-up: gc.get_freeze_count() walks them all, too slow for a scrape
         out["gc_frozen_objects"] = getattr(self, "selfspec_frozen_objects", 0)
+        release = getattr(self.model_runner, "selfspec_memory_release", None)
+        if release is not None:  # engine/host_memory.py
+            out["memory_releases"] = release.releases
+            out["memory_release_s"] = release.seconds
         if reset:
             drafter.stats.reset()
         return out
