@@ -5,7 +5,7 @@ are ``[verified rows, vocabulary]`` float32, about 190 KiB a row for a 49k vocab
 verified rows change every step (1 to ``1 + k`` per request), where a vanilla step's are its
 request count. The allocator keeps what such a step frees for reuse: tcmalloc in its page heap
 (returned later, in steps of a hundred MiB or more under a 64-client load), glibc's malloc in
-fragmented arenas (kept for good). Resident memory then climbs with the largest steps seen,
+fragmented arenas. Resident memory then climbs with the largest steps seen,
 though what the worker holds live does not (docs/user-guide.md, "Load and fault testing").
 
 ``FreeMemoryRelease`` hands the free pages back every ``every_s`` seconds, between steps:
@@ -53,8 +53,8 @@ class FreeMemoryRelease:
     """Calls ``fn`` (the allocator's release) at most once every ``every_s`` seconds."""
 
     #: how often the worker gives its allocator's free memory back: often enough that resident
-    #: memory follows what the worker holds within a minute, rarely enough that the release
-    #: (a few milliseconds; the pages' faults when reused) costs no measurable share of a step
+    #: memory follows what the worker holds within a minute. Each call, and the page faults when
+    #: the pages are used again, cost the step they fall in (``seconds`` sums the calls)
     EVERY_S = 30.0
 
     def __init__(
