@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from vllm_selfspec import cli
+from vllm_selfspec import cli, frame_stack
 from vllm_selfspec.cli import main
 
 pytestmark = pytest.mark.engine
@@ -69,6 +69,14 @@ def test_bench_writes_results(model_path, tmp_path):
     assert van["full_batch_speedup"] == 1.0 and full["full_batch_speedup"] > 0
     assert "| full |" in (out / "results.md").read_text()
     assert (out / "speedup.png").stat().st_size > 0
+    # every engine's processes, vanilla's too, run with the frame-stack chunk cache
+    # (vllm_selfspec/frame_stack.py), installed by the plugin from the bench's environment
+    if frame_stack.unsupported() is None and res["settings"]["frame_stack_cache"] == "on":
+        for name in ("vanilla", "full"):
+            log = (out / "logs" / f"{name}.log").read_text()
+            assert "frame-stack chunk cache installed" in log, name
+    else:  # no compiler here: the results say so
+        assert res["settings"]["frame_stack_cache"].startswith("off")
 
 
 def test_bench_rejects_bad_config_before_running(tmp_path, capsys):
