@@ -1,20 +1,20 @@
-"""A cache of one freed frame-stack chunk for CPython 3.11 to 3.14, installed in every vLLM process
-of a benchmark, so that no engine's speed depends on where its calls fall in Python's frame stack.
+"""A cache of freed frame-stack chunks for CPython 3.11 to 3.14, installed in every vLLM process of
+a benchmark, so that no engine's speed depends on where its calls fall in Python's frame stack.
 
 CPython keeps a thread's Python frames in chunks of 16 KiB. A call whose frame does not fit in
 the current chunk gets a new chunk, mapped from the OS (``mmap``), and the chunk is unmapped
 (``munmap``) as soon as that call returns. A loop whose calls sit just at a chunk's end maps and
-unmaps a chunk on every call, and pays a system call and four page faults for it each time
-(CPython issue gh-142183). CPython's own fix keeps one freed chunk for reuse. It shipped in later
-patch releases of 3.13 and 3.14, and 3.11 and 3.12 do not have it.
+unmaps a chunk on every call, and pays two system calls and up to four page faults for it each
+time (CPython issue gh-142183). CPython's own fix, in recent 3.13 and later releases, keeps one
+freed chunk for reuse; 3.11 and 3.12 do not have it.
 
 Where the calls fall is an accident of every frame below them. On this project's CPU machine,
-vanilla vLLM's model worker maps and unmaps a chunk about 88 times per decode step: about 1,100
-``mmap``/``munmap`` pairs a second, about 1,700 page faults a second, and 4% of a core in the
-kernel. A selfspec worker has a few more frames below the model (the runner's hooks), so its
-steps do not cross a chunk's end, and neither does a vanilla worker given one pass-through frame.
-That accident made every selfspec engine read several percent faster than vanilla in the
-benchmarks, drafting or not (docs/performance.md, "A method that drafts nothing").
+vanilla vLLM's model worker is such a loop: its decode steps map and unmap a chunk over a
+thousand times a second. A selfspec worker has a few more frames below the model (the runner's
+hooks), so its steps do not cross a chunk's end, and neither do those of a vanilla worker given
+one pass-through frame. That accident made selfspec's engines read faster than vanilla in the
+benchmarks, drafting or not (docs/performance.md, "A method that drafts nothing", has the
+figures).
 
 ``build()`` compiles a small allocator with the system's C compiler. It sits in front of
 CPython's arena allocator (``PyObject_SetArenaAllocator``): a freed block of one chunk's size is
@@ -92,6 +92,11 @@ int selfspec_install_frame_stack_cache(void) {
     return 1;
 }
 
+/* 1 once installed in this process. */
+int selfspec_frame_stack_cache_installed(void) {
+    return installed;
+}
+
 /* Chunks handed out again instead of mapped anew. */
 unsigned long long selfspec_frame_stack_chunks_reused(void) {
     return reused;
@@ -158,6 +163,11 @@ def install(path: str | Path) -> bool:
     """Installs the cache built at ``path`` in this process; False if it was installed already.
     ``PyDLL``: the calls keep the GIL, as CPython's allocator needs."""
     return bool(ctypes.PyDLL(str(path)).selfspec_install_frame_stack_cache())
+
+
+def installed(path: str | Path) -> bool:
+    """Whether the cache built at ``path`` is installed in this process."""
+    return bool(ctypes.PyDLL(str(path)).selfspec_frame_stack_cache_installed())
 
 
 def chunks_reused(path: str | Path) -> int:

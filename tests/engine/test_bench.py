@@ -69,12 +69,12 @@ def test_bench_writes_results(model_path, tmp_path):
     assert van["full_batch_speedup"] == 1.0 and full["full_batch_speedup"] > 0
     assert "| full |" in (out / "results.md").read_text()
     assert (out / "speedup.png").stat().st_size > 0
-    # every engine's processes, vanilla's too, run with the frame-stack chunk cache
-    # (vllm_selfspec/frame_stack.py), installed by the plugin from the bench's environment
+    # every engine, vanilla too, runs under the frame-stack chunk cache (frame_stack.py), which
+    # the plugin installs from the bench's environment (here the engine runs in the bench's
+    # worker process: in_process_cores)
     if frame_stack.unsupported() is None and res["settings"]["frame_stack_cache"] == "on":
-        for name in ("vanilla", "full"):
-            log = (out / "logs" / f"{name}.log").read_text()
-            assert "frame-stack chunk cache installed" in log, name
+        assert van["frame_stack_cache_installed"] is True
+        assert full["frame_stack_cache_installed"] is True
     else:  # no compiler here: the results say so
         assert res["settings"]["frame_stack_cache"].startswith("off")
 

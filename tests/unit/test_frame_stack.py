@@ -42,11 +42,13 @@ CROSSINGS = textwrap.dedent(
     calls = 2000
     without = faults(depth, calls)
     path = sys.argv[1]
+    before = frame_stack.installed(path)
     installed = frame_stack.install(path)
     again = frame_stack.install(path)
     print(json.dumps({"depth": depth, "calls": calls, "without": without,
                       "with": faults(depth, calls), "reused": frame_stack.chunks_reused(path),
-                      "installed": installed, "again": again}))
+                      "installed": installed, "again": again, "before": before,
+                      "after": frame_stack.installed(path)}))
     """
 )
 
@@ -76,6 +78,7 @@ def test_calls_across_a_chunk_end_stop_faulting_once_installed(tmp_path):
     assert r["with"] < calls // 20, r  # the cached chunk is reused
     assert r["reused"] >= calls - 1, r  # all but the first crossing after installing
     assert (r["installed"], r["again"]) == (True, False), r  # installed once per process
+    assert (r["before"], r["after"]) == (False, True), r
 
 
 @needs_compiler

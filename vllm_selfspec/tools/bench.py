@@ -158,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--frame-stack-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="install a cache of one freed frame-stack chunk in every engine's processes "
+        help="install a cache of freed frame-stack chunks in every engine's processes "
         "(vllm_selfspec/frame_stack.py: CPython 3.11-3.14 otherwise maps and unmaps a chunk on "
         "each call across a chunk's end, and whether an engine's steps do is an accident of its "
         "call depth); built with the system's C compiler, vanilla and every method alike",
@@ -393,12 +393,22 @@ def _worker(spec_path: str) -> int:
             "selfspec_stats": get_stats(llm) if selfspec else None,
             "vllm_version": vllm.__version__,
             "torch_threads": torch.get_num_threads(),
+            # in this process (the engine's front end; its engine core and model worker log
+            # their own install): the plugin installs it wherever vLLM loads its plugins
+            "frame_stack_cache_installed": _frame_stack_installed(),
             "startup_s": startup_s,
         }
         Path(spec["result_path"]).write_text(json.dumps(result), encoding="utf-8")
         res.write("done\n")
         res.flush()
     return 0
+
+
+def _frame_stack_installed() -> bool:
+    from .. import frame_stack
+
+    path = os.environ.get(frame_stack.ENV)
+    return bool(path) and frame_stack.installed(path)
 
 
 def _generate(llm, prompts: list[str], params) -> tuple[list[list[int]], float, list[tuple]]:
@@ -765,6 +775,7 @@ def summarize(
         "wall_s_runs": [r["wall_s"] for r in raw["runs"]],
         # seconds to build the engine (vllm.LLM), compilation or its cache included
         "startup_s": raw.get("startup_s"),
+        "frame_stack_cache_installed": raw.get("frame_stack_cache_installed"),
         "spec_decode_counters": c if spec else None,
     }
 
