@@ -87,11 +87,14 @@ def test_the_bench_names_the_cache_for_its_engines_or_clears_it(monkeypatch, tmp
 
     monkeypatch.setenv("VLLM_SELFSPEC_HOME", str(tmp_path))
     monkeypatch.setenv(frame_stack.ENV, "/elsewhere/stale.so")
-    assert bench.use_frame_stack_cache(False) == "off (--no-frame-stack-cache)"
-    assert frame_stack.ENV not in os.environ
-    assert bench.use_frame_stack_cache(True) == "on"
-    assert os.path.exists(os.environ[frame_stack.ENV])
-    assert os.environ[frame_stack.ENV].startswith(str(tmp_path))
+    with bench.frame_stack_cache(False) as state:
+        assert state == "off (--no-frame-stack-cache)"
+        assert frame_stack.ENV not in os.environ
+    with bench.frame_stack_cache(True) as state:
+        assert state == "on"
+        assert os.path.exists(os.environ[frame_stack.ENV])
+        assert os.environ[frame_stack.ENV].startswith(str(tmp_path))
+    assert os.environ[frame_stack.ENV] == "/elsewhere/stale.so"  # the environment as it was
 
 
 def test_a_library_that_cannot_load_is_logged_not_raised(monkeypatch, tmp_path, caplog):

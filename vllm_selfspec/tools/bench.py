@@ -26,6 +26,7 @@ from __future__ import annotations
 # (importlib.metadata) are imported inside functions: the CLI, the load test and the tests import
 # this module for its arguments and engine settings, and only a method's worker process runs vLLM
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -904,13 +906,26 @@ def _command_line() -> str:
     return " ".join([argv0] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
-def use_frame_stack_cache(wanted: bool) -> str:
-    """Builds the frame-stack chunk cache and names it in the environment every engine process
-    inherits (``frame_stack.ENV``; ``plugin.register`` installs it), or makes sure none is named;
-    returns what the results record: "on", or "off" with the reason."""
+@contextlib.contextmanager
+def frame_stack_cache(wanted: bool) -> Iterator[str]:
+    """Builds the frame-stack chunk cache and names it in the environment that every engine
+    process started inside inherits (``frame_stack.ENV``; ``plugin.register`` installs it), or
+    makes sure none is named; yields what the results record ("on", or "off" with the reason)
+    and restores the environment on exit."""
     from .. import frame_stack
 
-    os.environ.pop(frame_stack.ENV, None)
+    before = os.environ.pop(frame_stack.ENV, None)
+    try:
+        yield _name_frame_stack_cache(wanted)
+    finally:
+        os.environ.pop(frame_stack.ENV, None)
+        if before is not None:
+            os.environ[frame_stack.ENV] = before
+
+
+def _name_frame_stack_cache(wanted: bool) -> str:
+    from .. import frame_stack
+
     if not wanted:
         return "off (--no-frame-stack-cache)"
     reason = frame_stack.unsupported()
@@ -947,7 +962,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    stack_cache = use_frame_stack_cache(getattr(args, "frame_stack_cache", True))
     base = {
         "model": model,
         "prompts": prompts,
@@ -958,7 +972,11 @@ def main(args: argparse.Namespace) -> int:
         "eager": args.eager,
         "engine_args": shared,
     }
-    with tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp:
+    wanted = getattr(args, "frame_stack_cache", True)
+    with (
+        frame_stack_cache(wanted) as stack_cache,
+        tempfile.TemporaryDirectory(prefix="selfspec-bench-") as tmp,
+    ):
         try:
             raw, ratios = run_interleaved(
                 configs, base, args.repeats, args.group_size, out / "logs", Path(tmp)
