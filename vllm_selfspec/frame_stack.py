@@ -24,8 +24,9 @@ the end, goes back to the allocator that made it. ``vllm-selfspec bench`` builds
 in ``ENV`` for its engines; ``plugin.register()`` (every vLLM process) installs it from there
 (``install_from_env``), in vanilla's processes and selfspec's alike.
 
-Example (tests/unit/test_frame_stack.py runs it): a loop of calls that each cross a chunk's
-end takes a page fault per crossing, then none once the cache is installed::
+Example (tests/unit/test_frame_stack.py does the same in a child process): a loop of calls
+that each cross a chunk's end takes a page fault per crossing, then none once the cache is
+installed::
 
     path = build()            # ~/.cache/vllm_selfspec/build/frame_stack_cache-<hash>.so
     install(path)             # this process, from now on
