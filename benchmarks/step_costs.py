@@ -202,12 +202,15 @@ def main() -> int:
         return 0
 
     from vllm_selfspec.checkpoints import resolve_model
+    from vllm_selfspec.tools.bench import frame_stack_cache
     from vllm_selfspec.tools.prompts import load_prompts
 
     model = resolve_model(args.model)
     prompts = load_prompts(args.prompts, 8, model)
     results: dict = {"eager": {}, "compiled": {}}
-    with tempfile.TemporaryDirectory() as tmp:
+    # every engine under the frame-stack chunk cache, as in the bench (vllm_selfspec/frame_stack.py)
+    with tempfile.TemporaryDirectory() as tmp, frame_stack_cache(True) as state:
+        print(f"frame-stack chunk cache {state}", flush=True)
         heads = built_feature_heads(model, Path(tmp) / "heads")
         for mode in results:
             for name in args.configs.split(","):

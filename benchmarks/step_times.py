@@ -91,8 +91,23 @@ def main() -> None:
         help="run the whole workload once first, as the bench does (a selfspec engine's cost "
         "model and acceptance warm; the outputs it saw are forgotten before the timed run)",
     )
+    p.add_argument(
+        "--no-frame-stack-cache",
+        dest="frame_stack_cache",
+        action="store_false",
+        help="run the engine without the frame-stack chunk cache (vllm_selfspec/frame_stack.py), "
+        "which is on by default, as in the bench",
+    )
     args = p.parse_args()
 
+    from vllm_selfspec.tools.bench import frame_stack_cache
+
+    with frame_stack_cache(args.frame_stack_cache) as state:
+        print(f"frame-stack chunk cache {state}")
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_selfspec.checkpoints import resolve_model
