@@ -1,7 +1,9 @@
 """Markdown tables from bench runs (``vllm-selfspec bench --out DIR``): a row per run (its prompt
 set and batch size), a column per method with its speedup over vanilla in the same run (median of
 the repeats' paired ratios) and acceptance, vanilla's tokens/s, the engines' mode, parity over
-every method, and the commit of the code that ran (``bench`` records it; "–": not recorded).
+every method, whether the engines ran under the frame-stack chunk cache (docs/performance.md, "A
+method that drafts nothing"), and the commit of the code that ran (``bench`` records it; "–":
+not recorded).
 
 Print one table::
 
@@ -65,8 +67,8 @@ def table(runs: list[dict]) -> str:
     lines = [
         "| prompts | batch | new tokens | mode | vanilla tok/s | "
         + " | ".join(f"{m} (acceptance)" for m in methods)
-        + " | parity | code |",
-        "|" + "---|" * (7 + len(methods)),
+        + " | parity | frame-stack cache | code |",
+        "|" + "---|" * (8 + len(methods)),
     ]
     for r in runs:
         s, ms = r["settings"], r["methods"]
@@ -77,9 +79,15 @@ def table(runs: list[dict]) -> str:
             f"| {s['prompts']} | {s['batch_size']} | {s['max_tokens']} | {mode} | "
             f"{ms['vanilla']['tokens_per_s']:.1f} | "
             + " | ".join(cells)
-            + f" | {parity:.2f} | {s.get('code') or '–'} |"
+            + f" | {parity:.2f} | {_stack_cache(s)} | {s.get('code') or '–'} |"
         )
     return "\n".join(lines)
+
+
+def _stack_cache(settings: dict) -> str:
+    """Whether the run's engines ran under the frame-stack chunk cache (vllm_selfspec/
+    frame_stack.py): "on", else "off" (a run from before the bench had it records nothing)."""
+    return "on" if settings.get("frame_stack_cache") == "on" else "off"
 
 
 def _block(kind: str, args: list[str], root: Path) -> str:
