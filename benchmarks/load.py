@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_selfspec.tools.bench import frame_stack_cache
 from vllm_selfspec.tools.loadtest import cli_args, engine_kw, greedy_references, run_load
 from vllm_selfspec.tools.serving import Server, parse_metrics
 
@@ -64,7 +65,11 @@ def main() -> int:
         "model",
         *(["--speculative-config", config] if config else []),
     ]
-    with Server(model, server_args, log_path=Path(args.log).resolve()) as srv:
+    # the server under the frame-stack chunk cache, as the bench's engines (frame_stack.py)
+    with (
+        frame_stack_cache(True) as stack_cache,
+        Server(model, server_args, log_path=Path(args.log).resolve()) as srv,
+    ):
         print(
             f"server ready at {srv.url} (log: {args.log}); {args.concurrency} clients for "
             f"{args.duration:.0f}s"
@@ -93,6 +98,7 @@ def main() -> int:
         "concurrency": args.concurrency,
         "abort_prob": args.abort_prob,
         "eager": args.eager,
+        "frame_stack_cache": stack_cache,
         **res.summary(),
         "live_requests_after": live,
         "errors_sample": res.errors[:10],
