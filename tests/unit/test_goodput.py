@@ -2,6 +2,7 @@
 
 import doctest
 import math
+import random
 
 import numpy as np
 import pytest
@@ -499,6 +500,44 @@ def test_lookup_drafts_below_the_bar_are_probed_ever_more_rarely():
     gaps = np.diff(probed)
     assert (gaps[1:] >= gaps[:-1]).all() and gaps[-1] <= 512
     assert len({choices[i].tokens.index(k) for i in probed}) > 1  # round robin over requests
+
+
+def _lookup_after_a_slow_spell(spell: int, steps: int, seed: int = 0) -> int:
+    """Batch 1, a plain step of 15 ms and a lookup match of 1-4 tokens on 40% of the steps
+    (acceptance 0.45 a token); verifying d drafts costs 0.7 + 0.75·d ms, but 20 ms more in the
+    first ``spell`` steps (the machine busy with something else, a verifying step's one-time
+    costs). The proposer's loop (``look_due``, ``choose``, the step's cost sample, ``settle``);
+    returns the steps after the spell whose choice drafted (a probe aside)."""
+    rng = random.Random(seed)
+    costs = StepCostModel(skip_first=False)
+    ctl = GoodputController(costs)
+    chosen = 0
+    for step in range(spell + steps):
+        n = rng.randint(1, 4) if rng.random() < 0.4 else 0
+        cands = [Candidate(n, [0.45 ** (j + 1) for j in range(n)], free=True)]
+        choice = ctl.choose(cands) if ctl.look_due() else None
+        if choice is not None:
+            ctl.looked(1e-4)
+        d = choice.tokens[0] if choice is not None else 0
+        seconds = 0.015 * rng.uniform(0.97, 1.03)
+        if d:
+            seconds += 0.0007 + 0.00075 * d + (0.02 if step < spell else 0.0)
+            chosen += step >= spell and not choice.probe
+        costs.add_target(1, 1 + d, seconds)
+        ctl.settle(1 + sum(rng.random() < 0.45 for _ in range(d)), 1, seconds + 5e-4)
+    return chosen
+
+
+def test_lookup_drafts_priced_by_a_slow_spell_are_chosen_again_once_it_passes():
+    """Verification samples taken in a slow spell price lookup drafts far above what they cost
+    after it, and a price is only re-measured by drafting. Lookup probes that verify for under
+    half their price restart the probe interval, so the price comes back within a few probes;
+    a probe due in a step without a match waits for one. (Planted bug, probes always backing
+    off: none of the 2,000 steps after the spell drafts, against 769 without a spell.)"""
+    without = _lookup_after_a_slow_spell(0, 2000)
+    assert without > 400
+    for seed in range(3):
+        assert _lookup_after_a_slow_spell(300, 2000, seed) > without // 2
 
 
 def _looks(costs, cands_at, steps: int, look_seconds: float) -> tuple[list[bool], list[bool]]:

@@ -371,16 +371,16 @@ class GoodputController:
         step is a twentieth of a target step, drafted 2 tokens in a whole benchmark (their lone
         probes priced a verifying step at 20 ms and a verified token at 16 ms, against 0 and
         2.9 ms measured from the same engine's lookup rounds)."""
+        options = [
+            i for i, c in enumerate(cands) if c.max_tokens and c.free == free and not best.tokens[i]
+        ]
+        if not options:  # nothing of that kind on offer: the probe waits for the next step
+            return best
         if free:
             self._free_interval = min(2 * self._free_interval, self.max_probe_every)
             self._free_idle = 0
         else:
             self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-        options = [
-            i for i, c in enumerate(cands) if c.max_tokens and c.free == free and not best.tokens[i]
-        ]
-        if not options:
-            return best
         i = options[self._probe_turn % len(options)]
         self._probe_turn += 1
         tokens = list(best.tokens)
@@ -405,6 +405,10 @@ class GoodputController:
             kind=self._kind(cands, tokens),
         )
 
+    #: a lookup probe that verified its drafts for less than this share of their price
+    #: restarts the probe interval (``settle``)
+    STALE_PRICE_SHARE = 0.5
+
     # ---- what happened ---------------------------------------------------------------------
     def settle(self, emitted: int, requests: int, seconds: float) -> None:
         """The step that verified the last choice emitted ``emitted`` tokens for ``requests``
@@ -426,6 +430,12 @@ class GoodputController:
         if seconds > PlainReference.MAX_RATIO * max(plain, 0 if math.isnan(expected) else expected):
             return  # an idle gap in the cycle: not what the drafts cost
         self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
+        if choice.probe and choice.kind == "free":
+            # verified for well under its price: the price rests on samples gone stale (a slow
+            # spell, one-time costs of the first verifying steps); probe again soon
+            price = self.costs.verify_excess(requests, sum(choice.tokens))
+            if seconds - plain < self.STALE_PRICE_SHARE * price:
+                self._free_interval = self.probe_every
 
     def state(self) -> dict:
         nets = {
