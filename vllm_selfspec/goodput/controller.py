@@ -361,7 +361,9 @@ class GoodputController:
     ) -> Choice:
         """Draft tokens of one request (round robin) that the choice left out, to re-measure
         acceptance and cost; the next probe of that kind comes twice as late unless such drafts
-        are chosen before it. A lookup probe (``free``) drafts the whole match, up to
+        are chosen before it (or, for lookup drafts, this probe verifies for well under its
+        price: ``settle``). With none of that kind on offer nothing is probed, and the probe
+        stays due. A lookup probe (``free``) drafts the whole match, up to
         ``FREE_PROBE_TOKENS``: it costs only its verification. A self-draft probe drafts as many
         tokens as its draft steps fit in ``PAID_PROBE_SHARE`` of a ``plain`` step, at least one,
         and its probes come at least as often as ``PROBE_TIME_SHARE`` of the time pays for.
@@ -405,8 +407,8 @@ class GoodputController:
             kind=self._kind(cands, tokens),
         )
 
-    #: a lookup probe that verified its drafts for less than this share of their price
-    #: restarts the probe interval (``settle``)
+    #: a lookup probe that verified its drafts for less than this share of their price brings
+    #: the next one as near as ``PROBE_TIME_SHARE`` allows (``settle``)
     STALE_PRICE_SHARE = 0.5
 
     # ---- what happened ---------------------------------------------------------------------
@@ -432,10 +434,14 @@ class GoodputController:
         self.nets[choice.kind].record(choice, emitted, requests, seconds, plain)
         if choice.probe and choice.kind == "free":
             # verified for well under its price: the price rests on samples gone stale (a slow
-            # spell, one-time costs of the first verifying steps); probe again soon
-            price = self.costs.verify_excess(requests, sum(choice.tokens))
-            if seconds - plain < self.STALE_PRICE_SHARE * price:
-                self._free_interval = self.probe_every
+            # spell, one-time costs of the first verifying steps); probe again as often as
+            # such probes, at what this one cost, fit in ``PROBE_TIME_SHARE`` of the time
+            extra = max(seconds - plain, 0.0)
+            if extra < self.STALE_PRICE_SHARE * self.costs.verify_excess(
+                requests, sum(choice.tokens)
+            ):
+                affordable = math.ceil(extra / (self.PROBE_TIME_SHARE * plain))
+                self._free_interval = min(self._free_interval, max(self.probe_every, affordable))
 
     def state(self) -> dict:
         nets = {
