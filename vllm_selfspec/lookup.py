@@ -42,7 +42,11 @@ from collections import deque
 from collections.abc import Sequence
 
 #: lookup options of the config (``"lookup": true`` takes these; a dict overrides them), with
-#: SuffixDecoding's (and vLLM's ``suffix`` method's) defaults for the tree and the draft length:
+#: SuffixDecoding's (and vLLM's ``suffix`` method's) defaults for the tree, but twice its draft
+#: length: there every drafted token is verified, so a draft stops at the match's length; here
+#: the goodput controller verifies only the tokens whose slot's measured acceptance pays for
+#: their measured cost, so the tree offers more and the costs decide (``goodput`` false
+#: verifies every drafted token: set 1.0 there):
 #: ``max_depth``: the longest match (and context suffix) the trees hold;
 #: ``max_spec_factor``: a match of n tokens drafts at most ``max_spec_factor * n`` tokens;
 #: ``min_token_prob``: the walk stops where the tree's estimate falls below it;
@@ -52,7 +56,7 @@ from collections.abc import Sequence
 #: (none) or a draft-vocabulary directory built with ``vllm-selfspec build-vocab``
 DEFAULTS = {
     "max_depth": 24,
-    "max_spec_factor": 1.0,
+    "max_spec_factor": 2.0,
     "min_token_prob": 0.1,
     "shared": "tenant",
     "datastore": "auto",

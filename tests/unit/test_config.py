@@ -101,7 +101,7 @@ def test_goodput_and_lookup_round_trip():
     cfg = SelfSpecConfig.load({"method": "layerskip", "goodput": False, "lookup": {"max_depth": 8}})
     assert not cfg.goodput and cfg.lookup == {
         "max_depth": 8,
-        "max_spec_factor": 1.0,
+        "max_spec_factor": 2.0,
         "min_token_prob": 0.1,
         "shared": "tenant",
         "datastore": "auto",

@@ -77,8 +77,11 @@ def test_a_repeated_text_is_drafted_at_the_length_of_its_match():
     tokens, _ = index.propose(12)
     assert tokens == text[20:32]
     short = ContextIndex()
-    short.extend([7, 8, 9, 5, 6, 7, 8])  # "7 8" matched: 2 tokens at factor 1
-    assert short.propose(12)[0] == [9, 5]
+    short.extend([7, 8, 9, 5, 6, 7, 8])  # "7 8" matched: 4 tokens at the default factor 2
+    assert short.propose(12)[0] == [9, 5, 6, 7]
+    suffix_like = ContextIndex({"max_spec_factor": 1.0})  # SuffixDecoding's factor: 2 tokens
+    suffix_like.extend([7, 8, 9, 5, 6, 7, 8])
+    assert suffix_like.propose(12)[0] == [9, 5]
     assert ContextIndex().propose(4) == ([], [])
 
 
@@ -110,9 +113,10 @@ def test_a_tenants_outputs_are_never_proposed_to_another_tenant():
 def test_the_draft_expected_to_yield_most_wins_the_requests_own_on_ties():
     shared = SharedIndex(pinned=[[5, 6, 7, 8, 9, 10]])
     index = ContextIndex()
-    index.extend([7, 1, 5, 6, 7])  # own: "7" -> 1 (match 1); the datastore: "5 6 7" -> 8 9 10
+    # own: "7" -> 1 5 (match 1, factor 2); the datastore: "5 6 7" -> 8 9 10
+    index.extend([7, 1, 5, 6, 7])
     assert index.propose(3, shared.view())[0] == [8, 9, 10]
-    assert index.propose(3)[0] == [1]
+    assert index.propose(3)[0] == [1, 5]
     # "3 4" -> 5 here and -> 6 in the datastore, each once in two occurrences: equal estimates
     tie = SharedIndex(pinned=[[3, 4, 6, 0, 3, 4]])
     own = ContextIndex()
@@ -151,7 +155,7 @@ def test_options():
     assert check_options(False) == {} and check_options(None) == {}
     defaults = {
         "max_depth": 24,
-        "max_spec_factor": 1.0,
+        "max_spec_factor": 2.0,
         "min_token_prob": 0.1,
         "shared": "tenant",
         "datastore": "auto",
