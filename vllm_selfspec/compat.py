@@ -54,7 +54,7 @@ decoder-layer layouts: ``model.model.{embed_input_ids,  partial forward (engine/
   ``get_tp_group().all_reduce``                          (replicated over TP ranks), scale/soft cap
 ``dispatch_cpu_unquantized_gemm``                       their GEMM on CPU: vLLM's (oneDNN, prepacked)
 ``SchedulerOutput.{num_scheduled_tokens,                 the goodput controller's step-cost samples,
-  scheduled_spec_decode_tokens}``,                       verification outcomes; context lookup's
+  scheduled_spec_decode_tokens, scheduled_new_reqs}``,   verification outcomes; context lookup's
   ``input_batch.num_prompt_tokens``,                      shared index (outputs only) and its
   ``sampling_metadata.{all_greedy, temperature}``         point-mass q for sampled requests
 ``runner.requests[id].{sampling_params.extra_args,      a request's tenant (context lookup's

@@ -86,6 +86,19 @@ def verified_q(q: torch.Tensor | None, ids: torch.Tensor, like: torch.Tensor) ->
     return point.scatter_(1, ids.clamp(min=0).long()[:, None], valid.to(like.dtype))
 
 
+def is_decode_step(scheduler_output) -> bool:
+    """Whether a step decodes only: no new request, and every request scheduled for its one
+    sampled token and its drafts. A prefill chunk is not a sample of decoding, however short:
+    with prefix caching (vLLM's default) a request whose prompt is cached but for its last few
+    tokens is scheduled for those few, which would be counted as drafts the step verified, at
+    the price of a prefill and a new request's admission."""
+    per_req = scheduler_output.num_scheduled_tokens
+    if not per_req or scheduler_output.scheduled_new_reqs:
+        return False
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return all(n == 1 + len(spec.get(r, ())) for r, n in per_req.items())
+
+
 @dataclasses.dataclass
 class _Step:
     """What the phases of one decode step share (``SelfSpecProposer.propose_selfspec``)."""
@@ -408,9 +421,9 @@ class SelfSpecProposer:
         self.stats.steps += 1
         t_start = time.perf_counter()
         per_req = scheduler_output.num_scheduled_tokens
-        # a decode/verify step (no prefill chunk): its target forward, timed from the runner's
-        # execute_model to here, is a sample of the step-cost line in requests and draft tokens
-        decode_step = bool(per_req) and max(per_req.values()) <= self.k + 1
+        # a decode/verify step: its target forward, timed from the runner's execute_model to
+        # here, is a sample of the step-cost line in requests and draft tokens
+        decode_step = is_decode_step(scheduler_output)
         target_seconds = t_start - getattr(runner, "_selfspec_t0", t_start)
         if decode_step and target_seconds > 0:
             self.costs.add_target(len(per_req), sum(per_req.values()), target_seconds)
