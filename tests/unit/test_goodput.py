@@ -1042,6 +1042,20 @@ def test_a_shape_measured_on_a_noisy_machine_is_priced_by_its_mean_only_once_wel
     assert steady < many < steady + 0.0015
 
 
+def test_a_few_slow_steps_do_not_price_every_shape_dear():
+    """Steady steps (1 ms either side) and two that took 40 ms longer, say while the host ran
+    something else: the noise is the steady steps', so a shape measured once is priced near
+    its sample (the line shrinks it towards 4 ms). (Planted bug, the noise as the mean of the
+    squared distances alone: 10 ms of standard deviation, and the shape priced 6 ms dearer; the
+    controller no longer drafts it, so nothing brings the price down.)"""
+    c = _shape_samples([0.001, -0.001] * 14 + [0.040, 0.040])
+    assert c.noise() < 0.002**2
+    for _ in range(4):
+        c.add_target(8, 8, 0.060)
+    c.add_target(8, 11, 0.072)  # 3 drafts, first seen: 12 ms, the line's price
+    assert c.verify_excess(8, 3) == pytest.approx(0.012, abs=0.0015)
+
+
 def test_a_preempted_choice_does_not_make_the_next_ones_look_dear():
     """A busy host preempts the proposer now and then: one choice in eight measures 200 ms where
     the others take 0.1 ms. Choices are still worth their cost (the median), so every step makes

@@ -5,6 +5,8 @@ in layers and rows), fitted online with forgetting."""
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 import numpy as np
 
@@ -133,9 +135,20 @@ class StepCostModel:
     #: a shape's mean is shrunk towards the line by this many samples' weight (a shape seen once
     #: or twice is mostly the line)
     SHAPE_PRIOR_WEIGHT = 2.0
-    #: how fast the noise of one excess sample (its squared distance from its shape's mean, pooled
-    #: over shapes) is followed (the share of the old value kept per sample)
+    #: the noise of one excess sample (its distance from its shape's mean, pooled over shapes) is
+    #: the lower of two estimates: the decayed mean of the squared distances (the share of the
+    #: old value kept per sample), and the squared median of the last ``NOISE_SAMPLES``
+    #: distances, read as a normal sample's (robust to spikes). Alone, the mean of squares let
+    #: a few slow steps (tens of ms over a 20 ms step at batch 8 on the CPU) put every shape's
+    #: standard error at 10-20 ms; shapes priced so dear were no longer drafted, so no sample
+    #: brought the figure down, and `auto` drafted a fifth as much as a twin engine in the same
+    #: benchmark. Alone, the median stays high while a shape's mean follows a change of speed
+    #: (every distance is large for a while), and lookup drafts came back later after a slow
+    #: spell (tests/unit/test_goodput.py)
     NOISE_DECAY = 0.98
+    NOISE_SAMPLES = 31
+    #: a normal sample's standard deviation over its median absolute distance from the mean
+    MAD_TO_SIGMA = 1.4826
     #: a shape not measured is priced by the measured ones of as many requests within this many
     #: draft tokens (``verify_excess``)
     SHAPE_REACH = 2
@@ -175,8 +188,10 @@ class StepCostModel:
         self._by_requests: dict[int, dict[int, list[float]]] = {}
         #: the variance of one excess sample about its shape's mean, pooled over shapes (0 before
         #: a shape is measured twice): what a shape's price adds for the uncertainty of its mean
-        self._noise_sum = 0.0  # decayed sum of squared deviations (``NOISE_DECAY``)
+        self._noise_sum = 0.0  # decayed sum of squared distances (``NOISE_DECAY``)
         self._noise_count = 0.0
+        self._deviations: deque[float] = deque(maxlen=self.NOISE_SAMPLES)
+        self._noise = 0.0
         self.draft = OnlineFit(3)
         self._frozen: tuple | None = None  # rank 0's figures under TP (``freeze``)
         self._line: tuple[float, float, float, float] | None = None  # solved once per sample
@@ -226,10 +241,13 @@ class StepCostModel:
         if count > 0:
             # a sample's distance from the mean of ``count`` earlier ones has variance
             # noise * (1 + 1/count)
-            dev = excess - total / count
+            dev = abs(excess - total / count) * math.sqrt(count / (count + 1.0))
             d = self.NOISE_DECAY
-            self._noise_sum = d * self._noise_sum + dev * dev * count / (count + 1.0)
+            self._noise_sum = d * self._noise_sum + dev * dev
             self._noise_count = d * self._noise_count + 1.0
+            self._deviations.append(dev)
+            robust = (self.MAD_TO_SIGMA * statistics.median(self._deviations)) ** 2
+            self._noise = min(self._noise_sum / self._noise_count, robust)
         entry = [self.SHAPE_DECAY * total + excess, self.SHAPE_DECAY * count + 1.0]
         self._shapes[shape] = self._by_requests.setdefault(shape[0], {})[shape[1]] = entry
         if len(self._shapes) > self.MAX_SHAPES:  # the least recently measured goes
@@ -421,7 +439,7 @@ class StepCostModel:
         """The variance of one excess sample about its shape's mean (rank 0's under TP)."""
         if self._frozen is not None:
             return self._frozen[3]
-        return self._noise_sum / self._noise_count if self._noise_count > 0 else 0.0
+        return self._noise
 
     def _shrunk(self, seen, line, drafts: int, noise: float | None = None) -> float:
         """A measured shape's price: its mean shrunk towards the line, plus one standard error
