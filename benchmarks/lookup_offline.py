@@ -144,6 +144,7 @@ def main() -> None:
         "vLLM ngram (k 4, n 2-4)": lambda toks, st: ngram_propose(toks, 4, 2, 4),
         "vLLM suffix (k 24)": suffix_decoding(24),
         "context lookup (k 6)": context_lookup(6),
+        "context lookup (k 16, factor 1)": context_lookup(16, max_spec_factor=1.0),
         "context lookup (k 16)": context_lookup(16),
         "context lookup (k 24)": context_lookup(24),
     }
