@@ -139,12 +139,12 @@ class StepCostModel:
     #: the lower of two estimates: the decayed mean of the squared distances (the share of the
     #: old value kept per sample), and the squared median of the last ``NOISE_SAMPLES``
     #: distances, read as a normal sample's (robust to spikes). Alone, the mean of squares let
-    #: a few slow steps (tens of ms over a 20 ms step at batch 8 on the CPU) put every shape's
-    #: standard error at 10-20 ms; shapes priced so dear were no longer drafted, so no sample
-    #: brought the figure down, and `auto` drafted a fifth as much as a twin engine in the same
-    #: benchmark. Alone, the median stays high while a shape's mean follows a change of speed
-    #: (every distance is large for a while), and lookup drafts came back later after a slow
-    #: spell (tests/unit/test_goodput.py)
+    #: a few slow steps (tens of ms over a 20 ms step at batch 8 on the CPU) put a shape seen
+    #: once at about 10 ms over its sample; shapes priced so dear were no longer drafted, so no
+    #: sample brought the figure down, and an `auto` engine drafted a fifth as much as its twin
+    #: in the same benchmark (docs/results/compiled/noise-chat-bs8). Alone, the median stays
+    #: high while a shape's mean follows a change of speed (every distance is large for a
+    #: while), and lookup drafts came back later after a slow spell (tests/unit/test_goodput.py)
     NOISE_DECAY = 0.98
     NOISE_SAMPLES = 31
     #: a normal sample's standard deviation over its median absolute distance from the mean
