@@ -263,7 +263,7 @@ class GoodputController:
             if free.open and self._free_idle >= self._free_interval:
                 best = self._probe(cands, best, free=True)
         if best.kind:
-            best.scale = self.nets[best.kind].time_calibration()
+            best.scale = self.nets[best.kind].calibrations()[0]
         for kind, net in self.nets.items():
             net.tick(best.kind == kind)
         self._pending = best if best.kind else None

@@ -34,10 +34,10 @@ def solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 class OnlineFit:
-    """y ≈ coef · x for feature vectors x, least squares with forgetting factor ``decay`` per
-    sample; coefficients are clipped at ``lower`` and None until ``min_samples`` were seen. The
-    sums are Python floats: a step adds a sample of 2 or 3 features, where numpy's per-call
-    overhead would cost more than the arithmetic."""
+    """y ≈ coef · x for feature vectors x of 2 or 3 features, least squares with forgetting
+    factor ``decay`` per sample; coefficients are clipped at ``lower`` and None until
+    ``min_samples`` were seen. The sums are Python floats, spelt out per size: a step adds a
+    sample or two, where numpy's per-call overhead would cost more than the arithmetic."""
 
     def __init__(
         self, n: int, decay: float = 0.98, lower: float = 0.0, min_samples: float = 3.0
@@ -51,7 +51,7 @@ class OnlineFit:
 
     def add(self, x, y: float) -> None:
         d = self.decay
-        if len(x) == 2:  # the target line's fits, every step: spelt out (a third of the time)
+        if len(x) == 2:  # the target line's fits, every step
             a, b = float(x[0]), float(x[1])
             (p, q), (r, s) = self.xtx
             self.xtx = [[d * p + a * a, d * q + a * b], [d * r + b * a, d * s + b * b]]
@@ -59,9 +59,16 @@ class OnlineFit:
             self.count = d * self.count + 1.0
             self._coef = None
             return
-        x = [float(v) for v in x]
-        self.xtx = [[d * s + xi * xj for s, xj in zip(row, x)] for row, xi in zip(self.xtx, x)]
-        self.xty = [d * s + xi * y for s, xi in zip(self.xty, x)]
+        # 3 features: the draft line's fit, every self-drafting step
+        a, b, c = float(x[0]), float(x[1]), float(x[2])
+        (p, q, r), (s, t, u), (v, w, z) = self.xtx
+        self.xtx = [
+            [d * p + a * a, d * q + a * b, d * r + a * c],
+            [d * s + b * a, d * t + b * b, d * u + b * c],
+            [d * v + c * a, d * w + c * b, d * z + c * c],
+        ]
+        e, f, g = self.xty
+        self.xty = [d * e + a * y, d * f + b * y, d * g + c * y]
         self.count = d * self.count + 1.0
         self._coef = None
 
@@ -71,11 +78,10 @@ class OnlineFit:
         if self._coef is None:
             # a light ridge keeps features the data cannot separate (one row count, one plan)
             # at their least-norm values instead of blowing up
-            n = len(self.xty)
-            ridge = 1e-6 * max(sum(self.xtx[i][i] for i in range(n)), 1e-12)
-            a = [
-                [v + ridge * (i == j) for j, v in enumerate(row)] for i, row in enumerate(self.xtx)
-            ]
+            a = [list(row) for row in self.xtx]
+            ridge = 1e-6 * max(sum(row[i] for i, row in enumerate(a)), 1e-12)
+            for i, row in enumerate(a):
+                row[i] += ridge
             self._coef = tuple(max(c, self.lower) for c in solve(a, self.xty))
         return self._coef
 

@@ -73,7 +73,8 @@ class Depths:
 
 def _offer(cands, depth, v1) -> tuple[list[tuple], float]:
     """The tokens on offer at ``depth`` draft steps, ranked: (-tokens per second of its cost,
-    column, request, gain, row seconds, free) each; and a draft step's fixed seconds (the
+    column, request, gain, row seconds, need) each, where need is the draft steps the token
+    needs to be on offer, less one (-1: a free token); and a draft step's fixed seconds (the
     dearest plan among the self-drafting rows)."""
     offer, fixed = [], 0.0
     append = offer.append
@@ -87,7 +88,7 @@ def _offer(cands, depth, v1) -> tuple[list[tuple], float]:
         cost = max(v1 + row, 1e-12)
         for j, g in enumerate(c.accept[:d]):
             if g > 0:
-                append((-g / cost, j, i, g, row, free))
+                append((-g / cost, j, i, g, row, -1 if free else j))
     offer.sort()  # ties by column, then request ((column, request) is unique)
     return offer, fixed
 
@@ -167,15 +168,12 @@ def _ranked(cands, depth, v1, floor, verify, excess):
 def _walk_python(n, ranked, depth, base, plain, floor, verify) -> Depths:
     """One walk along the ranking per depth, over the tokens on offer there."""
     offer, fixed, verified, shares = ranked
-    # per ranked token: its gain, its row seconds, and the draft steps it needs to be on offer,
-    # less one (-1: a free token)
-    tokens = [(t[3], t[4], -1 if t[5] else t[1]) for t in offer]
     best = []
     for s in range(depth + 1):
         start = plain + s * fixed
         total, row_sum, m = base, 0.0, 0
         rate, found = -math.inf, (base, plain, -1)
-        for t, (g, row, need) in enumerate(tokens):
+        for t, (_, _, _, g, row, need) in enumerate(offer):
             if need >= s:  # a self-draft's token beyond s draft steps
                 continue
             total += g
@@ -185,7 +183,7 @@ def _walk_python(n, ranked, depth, base, plain, floor, verify) -> Depths:
                 rate, found = total / seconds, (total, seconds, t)
             m += 1
         best.append(found)
-    return Depths(n, [t[2] for t in offer], [t[2] for t in tokens], best)
+    return Depths(n, [t[2] for t in offer], [t[5] for t in offer], best)
 
 
 def _walk_arrays(n, ranked, depth, base, plain, floor, verify) -> Depths:
@@ -193,8 +191,7 @@ def _walk_arrays(n, ranked, depth, base, plain, floor, verify) -> Depths:
     offer, fixed, table, _ = ranked
     if not offer:
         return Depths(n, [], [], [(base, plain, -1)] * (depth + 1))
-    _, cols, rows, g, r, free = (np.array(x) for x in zip(*offer))
-    needs = np.where(free, -1, cols)
+    _, _, rows, g, r, needs = (np.array(x) for x in zip(*offer))
     # on[s, t]: token t is on offer with s draft steps
     steps = np.arange(depth + 1)[:, None]
     on = needs[None, :] < steps
