@@ -138,7 +138,7 @@ def run_cell(
         for req in requests:
             index, toks = req["index"], req["tokens"]
             index.extend(toks[len(index) :])
-            drafts.append(index.propose(k, req["view"]))
+            drafts.append(index.propose(k, req["view"], batch))
         t1 = time.perf_counter()
         coef, v1 = costs.draft_coefficients(), costs.token_seconds() or 0.0
         cands = [option(req, t, s, coef, v1) for req, (t, s) in zip(requests, drafts)]
@@ -182,7 +182,7 @@ def run_cell(
         for req in requests:
             index, toks = req["index"], req["tokens"]
             index.extend(toks[len(index) :])
-            index.propose(k, req["view"])
+            index.propose(k, req["view"], batch)
         joins.append(time.perf_counter() - t0)
     admission = statistics.median(joins)
 

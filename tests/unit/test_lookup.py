@@ -85,6 +85,22 @@ def test_a_repeated_text_is_drafted_at_the_length_of_its_match():
     assert ContextIndex().propose(4) == ([], [])
 
 
+def test_drafts_run_past_the_match_less_far_as_the_batch_fills():
+    """Factor 2 for a request alone; in a step of R requests the part past 1 shrinks as 1/R
+    (``factor_for``), down to the match's length and never below it; factor 1 (SuffixDecoding's)
+    and below are the same at every batch size."""
+    index = ContextIndex()
+    index.extend([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4])  # "1 2 3 4" matched
+    assert index.propose(16)[0] == list(range(5, 13))  # 8 tokens: factor 2
+    assert index.propose(16, requests=2)[0] == list(range(5, 11))  # 6: factor 1.5
+    assert index.propose(16, requests=8)[0] == list(range(5, 9))  # 4.5 -> 4: the match's length
+    drafting = index.drafting
+    assert [drafting.factor_for(r) for r in (1, 2, 4)] == [2.0, 1.5, 1.25]
+    for factor in (0.5, 1.0):
+        other = ContextIndex({"max_spec_factor": factor}).drafting
+        assert other.factor_for(1) == other.factor_for(8) == factor
+
+
 def test_slots():
     per = SOURCE_SLOTS // 5
     assert slot(False, 1, 0.2) == 0 and slot(False, 1, 0.95) == 2

@@ -568,9 +568,10 @@ class SelfSpecProposer:
                     wanted.append((i, req_id, n, room))
         lookups: dict[int, tuple[list[int], list[int]]] = {}
         if wanted:
+            requests = len(step.entries)  # how far a lookup draft runs (``factor_for``)
             with self.stats.timer("lookup"):
                 for i, req_id, n, room in wanted:
-                    lookups[i] = self._lookup(step.ib, i, req_id, n, room)
+                    lookups[i] = self._lookup(step.ib, i, req_id, n, room, requests)
         return active, lookups
 
     def _room(self, step: _Step, i: int, req_id: str, n: int) -> int:
@@ -653,8 +654,9 @@ class SelfSpecProposer:
             feedback, search, look = compat.broadcast_from_tp_rank0((feedback, search, look))
         return feedback, search, look
 
-    def _lookup(self, ib, i: int, req_id: str, n: int, room: int):
-        """The request's lookup draft (tokens, slots), its index brought up to date."""
+    def _lookup(self, ib, i: int, req_id: str, n: int, room: int, requests: int):
+        """The request's lookup draft (tokens, slots) in a step of ``requests`` requests, its
+        index brought up to date."""
         index = self._indexes.get(req_id)
         if index is None:
             index = self._indexes[req_id] = ContextIndex(self.lookup)
@@ -666,7 +668,7 @@ class SelfSpecProposer:
                 self._views[req_id] = self.shared_index.view(tenant)
         if len(index) < n:
             index.extend(ib.token_ids_cpu[i, len(index) : n].tolist())
-        return index.propose(room, self._views.get(req_id))
+        return index.propose(room, self._views.get(req_id), requests)
 
     def _candidates(self, req_ids, active, lookups) -> list[Candidate]:
         """Per request its option for this step: its policy's self-draft, or the free lookup
