@@ -11,7 +11,8 @@ on the same suffix trees: ArcticInference's ``SuffixTree`` (C++, ``arctic_infere
   the probability that the draft is right up to it (counts along the path). The walk stops
   where that estimate falls below ``min_token_prob`` (a rare branch is not drafted) or past
   ``max_spec_factor`` times the match's length (a short match drafts little): the draft
-  length follows the match.
+  length follows the match. The factor's part past 1 shrinks as the step's requests grow
+  (``_Drafting.factor_for``).
 * A request's own tree (``ContextIndex``) holds its prompt's last ``window`` tokens and all of
   its output, updated as tokens arrive; a long prompt is indexed from its end back, at most
   ``budget`` tokens per engine step, so that admitting it does not stall the batch.
@@ -48,7 +49,8 @@ from collections.abc import Sequence
 #: their measured cost, so the tree offers more and the costs decide (``goodput`` false
 #: verifies every drafted token: set 1.0 there):
 #: ``max_depth``: the longest match (and context suffix) the trees hold;
-#: ``max_spec_factor``: a match of n tokens drafts at most ``max_spec_factor * n`` tokens;
+#: ``max_spec_factor``: a match of n tokens drafts at most ``max_spec_factor * n`` tokens for a
+#: request alone (less in a fuller batch: ``_Drafting.factor_for``);
 #: ``min_token_prob``: the walk stops where the tree's estimate falls below it;
 #: ``shared``: whose finished outputs a request drafts from besides its own context and the
 #: datastore: "tenant" (its tenant's: ``request_tenant``), "global" (every request's) or "off";

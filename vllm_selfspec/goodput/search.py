@@ -15,7 +15,7 @@ others pay.
 With s draft steps the tokens on offer are every free token and each self-draft's first s: one
 ranking of all of them serves every s (a subset keeps its order). The tail of the ranking that
 could end no set is cut first (``_ranked``): in ``benchmarks/lookup_host.py --self-drafts`` at
-batch 8, about 5 of the 31 tokens on offer remain. Two implementations of the same search, checked
+batch 8, about 4 of the 29 tokens on offer remain. Two implementations of the same search, checked
 against each other (tests/unit/test_goodput.py): ``search_python``, a walk along the ranking
 per depth, faster for a step's few dozen tokens, and ``search_arrays``, every depth at once in
 numpy arrays, faster for hundreds; ``search`` picks by the size left after the cut. Both
